@@ -1,0 +1,5 @@
+import sys
+
+from autotp.cli import main
+
+sys.exit(main())

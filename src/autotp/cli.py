@@ -1,0 +1,158 @@
+"""Command line: `autotp plan` (no processes, no weights) and `autotp generate` (under torchrun).
+
+Thin by design: argparse, then the library by keyword. Bad input ends in one line on stderr and a
+non-zero exit: AutotpError (the same on every rank) is printed by rank 0; any other failure is printed
+by the rank it happened on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+from autotp import distributed
+from autotp.errors import AutotpError
+
+DTYPE_CHOICES = ["float32", "bfloat16", "float16"]
+
+
+def default_model() -> str:
+    from importlib.resources import files
+
+    demo = files("autotp") / "demo_model"
+    if not (demo / "config.json").is_file():
+        raise AutotpError("no --model given and the demo model is not installed with this autotp")
+    return str(demo)
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def id_list(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from None
+
+
+def cmd_plan(args) -> int:
+    from autotp.report import format_report, plan_report
+
+    report = plan_report(args.model or default_model(), args.tp, args.dtype)
+    print(json.dumps(report) if args.json else format_report(report))
+    return 0
+
+
+def _tokenizer(args, model_dir):
+    from transformers import AutoTokenizer
+
+    source = args.tokenizer or model_dir
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as e:
+        if args.tokenizer or args.prompt is not None:
+            raise AutotpError(f"cannot load a tokenizer from {source}: {type(e).__name__}") from None
+        return None  # --input-ids on a tokenizer-less checkpoint
+
+
+def cmd_generate(args) -> int:
+    import torch
+
+    import autotp
+    from autotp.api import resolve_model_dir
+    from autotp.generate import fim_prompt, generate
+
+    if (args.prompt is None) == (args.input_ids is None):
+        raise AutotpError("give exactly one of --prompt and --input-ids")
+    model_dir = resolve_model_dir(args.model or default_model())
+    tokenizer = _tokenizer(args, model_dir)
+    if args.suffix is not None:
+        if tokenizer is None or args.prompt is None:
+            raise AutotpError("--suffix needs --prompt and a tokenizer")
+        text = fim_prompt(tokenizer, args.prompt, args.suffix)
+    else:
+        text = args.prompt
+    ids = torch.tensor([args.input_ids]) if text is None else tokenizer(text, return_tensors="pt").input_ids
+    if ids.numel() == 0:
+        raise AutotpError("the prompt is empty")
+
+    model = autotp.from_pretrained(model_dir, dtype=args.dtype, device=args.device)
+    if text is not None and args.prompt is not None and not args.json and args.suffix is None:
+        distributed.print0(args.prompt, end="")
+    out = generate(model, ids, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
+                   temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, num_beams=args.num_beams,
+                   seed=args.seed, tokenizer=tokenizer, stream=not args.json and tokenizer is not None)
+    new = out[0, ids.shape[-1]:]
+    if args.json:
+        completion = tokenizer.decode(new, skip_special_tokens=True) if tokenizer is not None else None
+        distributed.print0(json.dumps({"output_ids": out.tolist(), "text": completion}))
+    elif tokenizer is None:
+        distributed.print0(",".join(str(t) for t in out[0].tolist()))
+    else:
+        distributed.print0()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="autotp", description="Tensor-parallel inference for HF causal LMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    plan = sub.add_parser("plan", help="show how each tensor is partitioned across ranks (reads no weights)")
+    plan.add_argument("--model", help="model directory or hub id (default: the embedded demo model)")
+    plan.add_argument("--tp", type=positive_int, required=True, help="number of tensor-parallel ranks")
+    plan.add_argument("--dtype", choices=DTYPE_CHOICES, help="dtype for byte counts (default: checkpoint/config)")
+    plan.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    plan.set_defaults(func=cmd_plan)
+
+    gen = sub.add_parser("generate", help="generate text with a sharded model (launch with torchrun)")
+    gen.add_argument("--model", help="model directory or hub id (default: the embedded demo model)")
+    gen.add_argument("--prompt", help="prompt text")
+    gen.add_argument("--input-ids", type=id_list, help="prompt as comma-separated token ids (no tokenizer needed)")
+    gen.add_argument("--suffix", help="fill in the middle: text after the gap; --prompt is the text before it")
+    gen.add_argument("--tokenizer", help="tokenizer directory (default: the model's)")
+    gen.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate (default 64)")
+    gen.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
+    gen.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
+    gen.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens")
+    gen.add_argument("--num-beams", type=positive_int, default=1, help="beam search width")
+    gen.add_argument("--seed", type=int, help="sampling seed (default: drawn on rank 0, shared)")
+    gen.add_argument("--dtype", choices=DTYPE_CHOICES, help="weights dtype (default: as stored)")
+    gen.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available, else cpu")
+    gen.add_argument("--json", action="store_true", help='print {"output_ids": ..., "text": ...} on rank 0')
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except AutotpError as e:
+        # Every rank raises the same validation error: rank 0 says it. Another rank speaks only if it is
+        # still alive after a grace period, i.e. when rank 0 did not fail (the launcher stops the others).
+        if distributed.rank() != 0:
+            time.sleep(3)
+        return distributed.fail(str(e), code=2)
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # output piped into `head`
+        return 0
+    except Exception as e:  # noqa: BLE001 - one line per failure, the traceback on request
+        if os.environ.get("AUTOTP_DEBUG"):
+            traceback.print_exc()
+        return distributed.fail(f"{type(e).__name__}: {e}".splitlines()[0], code=1)
+    finally:
+        distributed.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""Generation on a sharded model: prompt building (plain and fill-in-the-middle), seeding, streaming.
+
+HF's `generate` runs unchanged on every rank. The logits are gathered, so every rank sees the same
+numbers; seeding every rank's generator with the same seed (drawn on rank 0 and broadcast when the user
+gave none) makes sampled tokens agree too.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+import torch.distributed as dist
+from transformers import TextStreamer
+
+from autotp.errors import AutotpError
+
+FIM_TOKENS = ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")
+
+
+def fim_prompt(tokenizer, prefix: str, suffix: str) -> str:
+    """StarCoder's prefix-suffix-middle prompt; the model writes the middle."""
+    vocab = tokenizer.get_vocab()
+    missing = [t for t in FIM_TOKENS if t not in vocab]
+    if missing:
+        raise AutotpError(f"--suffix needs fill-in-the-middle tokens, and this tokenizer lacks {', '.join(missing)}")
+    return f"<fim_prefix>{prefix}<fim_suffix>{suffix}<fim_middle>"
+
+
+def context_length(config) -> int:
+    for name in ("n_positions", "max_position_embeddings", "n_ctx", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    raise AutotpError(f"cannot tell the context length of {config.model_type}")
+
+
+def check_length(config, prompt_tokens: int, max_new_tokens: int) -> None:
+    limit = context_length(config)
+    if prompt_tokens + max_new_tokens > limit:
+        raise AutotpError(f"prompt of {prompt_tokens} tokens + {max_new_tokens} new tokens exceeds the model's "
+                          f"context of {limit} positions")
+    if max_new_tokens < 1:
+        raise AutotpError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+
+
+def shared_seed(seed: int | None) -> int:
+    """`seed`, or one drawn on rank 0 and broadcast, so that all ranks sample alike."""
+    if seed is not None:
+        return seed
+    box = [random.SystemRandom().randrange(2**31)]
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int, do_sample: bool = False,
+             temperature: float = 1.0, top_p: float = 1.0, top_k: int = 50, num_beams: int = 1,
+             seed: int | None = None, tokenizer=None, stream: bool = False) -> torch.Tensor:
+    """prompt ids (batch, prompt_len) -> (batch, prompt_len + new) on every rank; streams on rank 0."""
+    check_length(model.config, input_ids.shape[-1], max_new_tokens)
+    torch.manual_seed(shared_seed(seed))
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    streamer = TextStreamer(tokenizer, skip_prompt=True) if stream and tokenizer is not None and rank == 0 else None
+    kwargs = dict(do_sample=do_sample, num_beams=num_beams, max_new_tokens=max_new_tokens, streamer=streamer)
+    if do_sample:
+        kwargs.update(temperature=temperature, top_p=top_p, top_k=top_k)
+    eos = model.generation_config.eos_token_id
+    pad = model.generation_config.pad_token_id
+    if pad is None:
+        pad = eos[0] if isinstance(eos, list) else eos
+    with torch.inference_mode():
+        return model.generate(input_ids.to(model.device), attention_mask=torch.ones_like(input_ids).to(model.device),
+                              pad_token_id=pad, **kwargs)

@@ -1,0 +1,97 @@
+"""Per-rank replacements for `nn.Linear` and `nn.Embedding`.
+
+They are created with parameters on the meta device at their per-rank shapes; whoever creates them
+(the sliced loader, or `init_inference` slicing a loaded model) assigns the real tensors. Each keeps
+the global size under its own name (`out_features_global`, `num_embeddings_global`) beside the
+per-rank one, so `print(model)` shows both.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from autotp.collectives import all_gather_last_dim, all_reduce_sum
+
+
+class ColwiseLinear(nn.Linear):
+    """y_local = x @ W_local.T + b_local with W_local the rank's rows of W: (out_per_rank, in). No comms."""
+
+    def __init__(self, in_features: int, out_per_rank: int, out_features_global: int, bias: bool, dtype):
+        super().__init__(in_features, out_per_rank, bias=bias, device="meta", dtype=dtype)
+        self.out_features_global = out_features_global
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, out_features_global={self.out_features_global}"
+
+
+class RowwiseLinear(nn.Linear):
+    """y = all_reduce(x_local @ W_local.T) + b, with W_local the rank's columns of W: (out, in_per_rank).
+
+    The bias is full-size and added once, after the reduction: adding it before would add it tp times.
+    """
+
+    def __init__(self, in_per_rank: int, out_features: int, in_features_global: int, bias: bool, dtype, group):
+        super().__init__(in_per_rank, out_features, bias=bias, device="meta", dtype=dtype)
+        self.in_features_global = in_features_global
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = all_reduce_sum(F.linear(x, self.weight), self.group)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, in_features_global={self.in_features_global}"
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding whose rows [vocab_start, vocab_stop) live on this rank: weight (rows_per_rank, dim).
+
+    Each rank looks up the ids it owns, writes zeros for the others, and the all-reduce fills them in.
+    """
+
+    def __init__(self, num_embeddings_global: int, embedding_dim: int, vocab_start: int, vocab_stop: int,
+                 padding_idx: int | None, dtype, group):
+        super().__init__()
+        self.num_embeddings_global = num_embeddings_global
+        self.embedding_dim = embedding_dim
+        self.vocab_start, self.vocab_stop = vocab_start, vocab_stop
+        self.padding_idx = padding_idx  # kept for HF code that reads it; inference does not use it
+        self.group = group
+        self.weight = nn.Parameter(torch.empty(vocab_stop - vocab_start, embedding_dim, device="meta", dtype=dtype),
+                                   requires_grad=False)
+
+    @property
+    def num_embeddings(self) -> int:
+        return self.num_embeddings_global
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_stop)
+        local = torch.where(outside, 0, ids - self.vocab_start)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0)
+        return all_reduce_sum(out, self.group)
+
+    def extra_repr(self) -> str:
+        return (f"rows {self.vocab_start}:{self.vocab_stop} of {self.num_embeddings_global}, "
+                f"embedding_dim={self.embedding_dim}")
+
+
+class VocabParallelLMHead(nn.Linear):
+    """Output projection over this rank's vocabulary rows, logits gathered to the full vocabulary.
+
+    weight (rows_per_rank, hidden); the gather makes every rank's logits identical, so every rank's
+    generate (greedy, sampling with the same seed, beam search) picks the same tokens.
+    """
+
+    def __init__(self, in_features: int, vocab_sizes: list[int], bias: bool, dtype, group, rank: int):
+        super().__init__(in_features, vocab_sizes[rank], bias=bias, device="meta", dtype=dtype)
+        self.vocab_sizes = vocab_sizes
+        self.out_features_global = sum(vocab_sizes)
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return all_gather_last_dim(super().forward(x), self.vocab_sizes, self.group)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, out_features_global={self.out_features_global}"

@@ -1,0 +1,203 @@
+"""Parallel styles: the vocabulary a plan is written in, and the slice of each weight a style gives a rank.
+
+A style names how one module is partitioned; `shards()` turns that into a `TensorShard` per parameter
+(which rows or columns of the checkpoint tensor a rank holds) and `build()` makes the per-rank module.
+Styles know layouts (`[Q | K | V]` blocks, per-head interleaving) but no model: the plans in `plans/` say
+which module gets which style.
+
+`nn.Linear.weight` is `(out_features, in_features)`: colwise slices dim 0 (rows), rowwise slices dim 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from autotp import layers
+from autotp.partition import HeadShard, even_split
+
+Range = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class TensorShard:
+    """The part of one tensor a rank holds: ranges [a, b) along `dim`, concatenated in order.
+
+    `dim is None` means the whole tensor (replicated). The ranges keep their meaning (Q rows, K rows, V
+    rows) for `describe`; `reads()` merges adjacent ones so a slice is read with as few reads as possible.
+    """
+
+    dim: int | None = None
+    ranges: tuple[Range, ...] = ()
+
+    @staticmethod
+    def along(dim: int, ranges: list[Range]) -> TensorShard:
+        return TensorShard(dim, tuple((a, b) for a, b in ranges if b > a))
+
+    def reads(self) -> list[Range]:
+        """The ranges with adjacent ones merged: what a reader should fetch."""
+        merged: list[Range] = []
+        for a, b in self.ranges:
+            if merged and merged[-1][1] == a:
+                merged[-1] = (merged[-1][0], b)
+            else:
+                merged.append((a, b))
+        return merged
+
+    @property
+    def replicated(self) -> bool:
+        return self.dim is None
+
+    def local_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        if self.dim is None:
+            return tuple(shape)
+        local = list(shape)
+        local[self.dim] = sum(b - a for a, b in self.ranges)
+        return tuple(local)
+
+    def take(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a full tensor, as a new tensor (pure indexing: bit-exact)."""
+        if self.dim is None:
+            return tensor
+        parts = [tensor.narrow(self.dim, a, b - a) for a, b in self.reads()]
+        return torch.cat(parts, dim=self.dim) if len(parts) != 1 else parts[0].clone()
+
+    def describe(self) -> str:
+        if self.dim is None:
+            return "replicated"
+        what = {0: "rows", 1: "cols"}.get(self.dim, f"dim {self.dim}")
+        return f"{what} " + " + ".join(f"{a}:{b}" for a, b in self.ranges)
+
+
+REPLICATED = TensorShard()
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """What a style needs to know about the rank it is slicing for."""
+
+    rank: int
+    tp: int
+    heads: HeadShard | None  # None for plans without attention heads to split
+
+
+def _linear_out_in(module: nn.Module) -> tuple[int, int]:
+    return module.out_features, module.in_features
+
+
+@dataclass(frozen=True)
+class Colwise:
+    """Output features split across ranks; the output stays sharded (no communication).
+
+    split: "even" for MLP-style dimensions, "q_heads"/"kv_heads" to follow the rank's attention heads.
+    """
+
+    split: Literal["even", "q_heads", "kv_heads"] = "even"
+
+    def out_range(self, out_features: int, ctx: RankContext) -> Range:
+        if self.split == "even":
+            return even_split(out_features, ctx.tp)[ctx.rank]
+        h = ctx.heads
+        if self.split == "q_heads":
+            return h.q_start * h.head_dim, h.q_stop * h.head_dim
+        return h.kv_start * h.head_dim, h.kv_stop * h.head_dim
+
+    def shards(self, module: nn.Module, ctx: RankContext) -> dict[str, TensorShard]:
+        out, _ = _linear_out_in(module)
+        rows = TensorShard.along(0, [self.out_range(out, ctx)])
+        return {"weight": rows, "bias": rows}
+
+    def build(self, module: nn.Module, shards: dict[str, TensorShard], ctx: RankContext, group) -> nn.Module:
+        out, inp = _linear_out_in(module)
+        return layers.ColwiseLinear(inp, shards["weight"].local_shape((out, inp))[0], out, module.bias is not None,
+                                    module.weight.dtype)
+
+
+@dataclass(frozen=True)
+class FusedQKV(Colwise):
+    """A fused query/key/value projection; each rank keeps its query heads with the KV heads they use.
+
+    layout "blocks":   rows are [Q (heads*d) | K (kv_heads*d) | V (kv_heads*d)] (GPT-BigCode multi-query,
+                       Phi-3's qkv_proj). KV heads that several ranks need are read by each of them.
+    layout "grouped":  rows are (kv_heads, heads/kv_heads + 2, d): each KV group's query heads, then its
+                       K and V (GPT-BigCode multi_query=False and GPT-NeoX, where the group is 1 query
+                       head: (heads, 3, d)).
+    """
+
+    layout: Literal["blocks", "grouped"] = "blocks"
+
+    def row_ranges(self, h: HeadShard) -> list[Range]:
+        d = h.head_dim
+        if self.layout == "blocks":
+            q_rows = h.total_q_heads * d
+            kv_rows = h.total_kv_heads * d
+            return [
+                (h.q_start * d, h.q_stop * d),
+                (q_rows + h.kv_start * d, q_rows + h.kv_stop * d),
+                (q_rows + kv_rows + h.kv_start * d, q_rows + kv_rows + h.kv_stop * d),
+            ]
+        group = h.total_q_heads // h.total_kv_heads
+        ranges = []
+        for kv in range(h.kv_start, h.kv_stop):
+            base = kv * (group + 2) * d
+            q0, q1 = max(h.q_start, kv * group) - kv * group, min(h.q_stop, (kv + 1) * group) - kv * group
+            ranges += [(base + q0 * d, base + q1 * d), (base + group * d, base + (group + 2) * d)]
+        return ranges
+
+    def shards(self, module: nn.Module, ctx: RankContext) -> dict[str, TensorShard]:
+        rows = TensorShard.along(0, self.row_ranges(ctx.heads))
+        return {"weight": rows, "bias": rows}
+
+
+@dataclass(frozen=True)
+class Rowwise:
+    """Input features split across ranks; partial outputs are all-reduced and the bias added once after."""
+
+    split: Literal["even", "q_heads"] = "even"
+
+    def shards(self, module: nn.Module, ctx: RankContext) -> dict[str, TensorShard]:
+        _, inp = _linear_out_in(module)
+        if self.split == "even":
+            cols = even_split(inp, ctx.tp)[ctx.rank]
+        else:
+            h = ctx.heads
+            cols = (h.q_start * h.head_dim, h.q_stop * h.head_dim)
+        return {"weight": TensorShard.along(1, [cols]), "bias": REPLICATED}
+
+    def build(self, module: nn.Module, shards: dict[str, TensorShard], ctx: RankContext, group) -> nn.Module:
+        out, inp = _linear_out_in(module)
+        return layers.RowwiseLinear(shards["weight"].local_shape((out, inp))[1], out, inp, module.bias is not None,
+                                    module.weight.dtype, group)
+
+
+@dataclass(frozen=True)
+class Vocab:
+    """Embedding rows (the vocabulary) split evenly; lookups are masked per rank and all-reduced."""
+
+    def shards(self, module: nn.Module, ctx: RankContext) -> dict[str, TensorShard]:
+        return {"weight": TensorShard.along(0, [even_split(module.num_embeddings, ctx.tp)[ctx.rank]])}
+
+    def build(self, module: nn.Module, shards: dict[str, TensorShard], ctx: RankContext, group) -> nn.Module:
+        (start, stop), = shards["weight"].ranges
+        return layers.VocabParallelEmbedding(module.num_embeddings, module.embedding_dim, start, stop,
+                                             module.padding_idx, module.weight.dtype, group)
+
+
+@dataclass(frozen=True)
+class VocabHead:
+    """Output-embedding rows split like `Vocab`; the logits are gathered so every rank sees the full vocab."""
+
+    def shards(self, module: nn.Module, ctx: RankContext) -> dict[str, TensorShard]:
+        rows = TensorShard.along(0, [even_split(module.out_features, ctx.tp)[ctx.rank]])
+        return {"weight": rows, "bias": rows}
+
+    def build(self, module: nn.Module, shards: dict[str, TensorShard], ctx: RankContext, group) -> nn.Module:
+        out, inp = _linear_out_in(module)
+        sizes = [b - a for a, b in even_split(out, ctx.tp)]
+        return layers.VocabParallelLMHead(inp, sizes, module.bias is not None, module.weight.dtype, group, ctx.rank)
+
+
+Style = Colwise | FusedQKV | Rowwise | Vocab | VocabHead

@@ -1,0 +1,48 @@
+"""Tiny random GPT-BigCode checkpoints saved as safetensors, and their unsharded reference outputs."""
+
+from __future__ import annotations
+
+import torch
+from transformers import GPTBigCodeConfig, GPTBigCodeForCausalLM
+
+# name -> config. Head counts that divide every tp in 1..4 and ones that do not; vocab 101 and the MLP
+# widths divide by none of 2, 3, 4 so every vocab/MLP split is uneven somewhere.
+CONFIGS = {
+    "mqa12": dict(n_embd=96, n_head=12, multi_query=True, n_inner=202),
+    "mqa10": dict(n_embd=80, n_head=10, multi_query=True, n_inner=70),
+    "mha6": dict(n_embd=96, n_head=6, multi_query=False, n_inner=130),
+}
+PROMPT = [[3, 17, 42, 8, 99, 51, 23]]
+
+
+def build(name: str, **overrides) -> GPTBigCodeForCausalLM:
+    config = GPTBigCodeConfig(n_layer=2, n_positions=64, vocab_size=101, bos_token_id=None, eos_token_id=None,
+                              **{**CONFIGS[name], **overrides})
+    torch.manual_seed(0)
+    model = GPTBigCodeForCausalLM(config).eval()
+    # HF's init (std 0.02, zero biases) gives near-uniform logits and degenerate greedy output; wide random
+    # weights and non-zero biases make tokens depend on every weight, so a wrong slice shows.
+    with torch.no_grad():
+        for name_, p in model.named_parameters():
+            if ".ln_" in name_ or "ln_f" in name_:
+                p.copy_(1 + 0.1 * torch.randn_like(p) if name_.endswith("weight") else 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0, 0.3)
+    return model
+
+
+def save(model, directory) -> str:
+    model.save_pretrained(directory)
+    return str(directory)
+
+
+def reference(model, new_tokens: int = 32, seed: int = 1234) -> dict:
+    """Unsharded outputs: fp32 logits of PROMPT, greedy continuation, seeded sampled continuation."""
+    from autotp.generate import generate
+
+    ids = torch.tensor(PROMPT)
+    with torch.no_grad():
+        logits = model(ids).logits
+    greedy = generate(model, ids, max_new_tokens=new_tokens)
+    sampled = generate(model, ids, max_new_tokens=16, do_sample=True, temperature=1.0, top_k=0, seed=seed)
+    return {"logits": logits, "greedy": greedy.tolist(), "sampled": sampled.tolist()}

@@ -1,0 +1,61 @@
+"""Functions the rank pools run on every rank. Module-level so that spawned workers can unpickle them."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import autotp
+from autotp.generate import generate
+
+
+def sharded_outputs(model_dir: str, prompt: list[list[int]], new_tokens: int, seed: int) -> dict:
+    """Load this rank's shard and run what the parity test compares against the unsharded model."""
+    model = autotp.from_pretrained(model_dir)
+    ids = torch.tensor(prompt)
+    with torch.no_grad():
+        logits = model(ids).logits
+    greedy = generate(model, ids, max_new_tokens=new_tokens)
+    sampled = generate(model, ids, max_new_tokens=16, do_sample=True, temperature=1.0, top_k=0, seed=seed)
+    return {
+        "info": model.autotp,
+        "state": {k: v.clone() for k, v in model.state_dict().items()},
+        "logits": logits,
+        "greedy": greedy.tolist(),
+        "sampled": sampled.tolist(),
+    }
+
+
+def attention_attrs(model_dir: str) -> list[dict]:
+    model = autotp.from_pretrained(model_dir)
+    keys = ("embed_dim", "num_heads", "kv_heads", "kv_dim", "num_key_value_groups")
+    return [{k: getattr(block.attn, k) for k in keys} for block in model.transformer.h]
+
+
+def load_error(model_dir: str, **kwargs) -> None:
+    autotp.from_pretrained(model_dir, **kwargs)
+
+
+def seed_flow(model_dir: str, tokenizer_dir: str, prompt: str, tp_kwargs: dict) -> dict:
+    """DeepSpeed's seed script with one import changed: HF load, init_inference, pipeline."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    engine = autotp.init_inference(model, dtype=torch.float32, **tp_kwargs)
+    pipe = pipeline("text-generation", model=engine.module, tokenizer=tokenizer, device="cpu")
+    text = pipe(prompt, do_sample=False, max_new_tokens=24)[0]["generated_text"]
+    return {"text": text, "info": engine.module.autotp}
+
+
+def die_or_reduce(victim: int) -> str:
+    """The victim rank exits hard; the others enter an all-reduce that can never complete."""
+    import os
+
+    if dist.get_rank() == victim:
+        os._exit(3)
+    try:
+        dist.all_reduce(torch.ones(1))
+    except Exception as e:  # noqa: BLE001
+        return f"raised {type(e).__name__}"
+    return "completed"
