@@ -46,3 +46,16 @@ def reference(model, new_tokens: int = 32, seed: int = 1234) -> dict:
     greedy = generate(model, ids, max_new_tokens=new_tokens)
     sampled = generate(model, ids, max_new_tokens=16, do_sample=True, temperature=1.0, top_k=0, seed=seed)
     return {"logits": logits, "greedy": greedy.tolist(), "sampled": sampled.tolist()}
+
+
+def word_tokenizer(directory, vocab_size: int = 101) -> str:
+    """A word-level tokenizer over tokens w0 .. w{vocab_size-2} plus <unk>, saved in HF format."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(vocab_size - 1)} | {"<unk>": vocab_size - 1}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(directory)
+    return str(directory)

@@ -59,7 +59,8 @@ def _tokenizer(args, model_dir):
         return AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as e:
         if args.tokenizer or args.prompt is not None:
-            raise AutotpError(f"cannot load a tokenizer from {source}: {type(e).__name__}") from None
+            raise AutotpError(f"cannot load a tokenizer from {source} ({type(e).__name__}): give --tokenizer, "
+                              "or the prompt as --input-ids") from None
         return None  # --input-ids on a tokenizer-less checkpoint
 
 

@@ -57,7 +57,8 @@ def init(device: str | torch.device | None = None, timeout_s: float | None = Non
         local_rank = _env_int("LOCAL_RANK", rank)
         if device is None and dist.get_backend() == "gloo":
             device = "cpu"
-        return Dist(rank, world, local_rank, resolve_device(device, local_rank), dist.group.WORLD if world > 1 else None)
+        group = dist.group.WORLD if world > 1 else None
+        return Dist(rank, world, local_rank, resolve_device(device, local_rank), group)
 
     world = _env_int("WORLD_SIZE", 1)
     rank, local_rank = _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
@@ -77,7 +78,8 @@ def init(device: str | torch.device | None = None, timeout_s: float | None = Non
 
 
 def rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+    """This process's rank, also before the process group exists (from the launcher's RANK)."""
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
 
 
 def print0(*args, **kwargs) -> None:
@@ -93,6 +95,6 @@ def shutdown() -> None:
 
 def fail(message: str, code: int = 1) -> int:
     """One line on stderr: every rank would say the same, so rank 0 speaks unless the failure is its own."""
-    prefix = "autotp: error" if dist.is_initialized() is False or rank() == 0 else f"autotp: error on rank {rank()}"
+    prefix = "autotp: error" if rank() == 0 else f"autotp: error on rank {rank()}"
     print(f"{prefix}: {message}", file=sys.stderr, flush=True)
     return code

@@ -87,7 +87,7 @@ def format_report(report: dict) -> str:
         for (name, shape, holds, local), ts in folded.items():
             count = f" x{len(ts)}" if len(ts) > 1 else ""
             tied = f" (tied: {', '.join(ts[0]['tied'])})" if ts[0]["tied"] else ""
-            lines.append(f"  {name + count:<{width}} {str(list(shape)):>16}  {holds:<28} "
+            lines.append(f"  {name + count:<{width}} {str(list(shape)):>16}  {holds:<36} "
                          f"{str(list(local)):>16}  {_human(sum(t['bytes'] for t in ts)):>10}{tied}")
     return "\n".join(lines)
 

@@ -86,6 +86,10 @@ def parallelize(model: nn.Module, plan: Plan, rank: int, tp: int, group, load: L
     ctx = RankContext(rank, tp, plan.heads(tp)[rank])
     done: dict[str, nn.Parameter] = {}  # first name -> per-rank Parameter, so tied weights stay tied
 
+    for name in plan.unused_buffers:  # freed before the weights arrive, so they never add to the peak
+        path, _, buffer = name.rpartition(".")
+        setattr(model.get_submodule(path), buffer, None)
+
     def per_rank(name: str, param: nn.Parameter) -> nn.Parameter:
         key = first[name]
         if key not in done:

@@ -25,6 +25,7 @@ class Plan:
     layers: dict[str, Style]
     attention: str  # module path pattern of the attention modules
     attention_attrs: dict[str, str] = field(default_factory=dict)  # attribute -> HeadShard property
+    unused_buffers: tuple[str, ...] = ()  # buffers HF builds but the forward never reads: freed on every rank
     source: str = "built-in"
 
     def heads(self, tp: int) -> list[HeadShard]:

@@ -1,0 +1,55 @@
+"""Shared by the benchmarks: the starcoderbase-1b-shaped checkpoint and RSS readings.
+
+The checkpoint has starcoderbase-1b's architecture (n_embd 2048, 16 heads multi-query, 24 layers,
+n_inner 8192, vocab 49152, n_positions 8192) with random weights, made once and cached under
+benchmarks/.cache/ (git-ignored). Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+from pathlib import Path
+
+import torch
+
+CACHE = Path(__file__).parent / ".cache"
+STARCODERBASE_1B = dict(n_embd=2048, n_head=16, n_layer=24, n_inner=8192, vocab_size=49152, n_positions=8192,
+                        multi_query=True, activation_function="gelu_pytorch_tanh", bos_token_id=0, eos_token_id=0)
+
+
+def starcoderbase_1b(dtype: str = "bfloat16") -> Path:
+    """Directory of a random starcoderbase-1b-shaped safetensors checkpoint in `dtype` (made on first use)."""
+    out = CACHE / f"starcoderbase-1b-{dtype}"
+    if (out / "model.safetensors").exists():
+        return out
+    from safetensors.torch import save_file
+    from transformers import GPTBigCodeConfig
+
+    from autotp.skeleton import skeleton
+
+    config = GPTBigCodeConfig(**STARCODERBASE_1B, dtype=dtype)
+    net = skeleton(config, getattr(torch, dtype), buffers=False)
+    gen = torch.Generator().manual_seed(0)
+    tensors = {}
+    for name, p in net.named_parameters():  # tied lm_head is skipped: named_parameters() de-duplicates
+        tensors[name] = (torch.randn(p.shape, generator=gen) * 0.02).to(p.dtype)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    config.save_pretrained(out)
+    return out
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident set size (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def current_rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+def write_json(path: Path, data) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")

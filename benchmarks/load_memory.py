@@ -1,0 +1,61 @@
+"""Per-rank peak RSS and load time of `autotp.from_pretrained` at tp 1, 2, 4 (issue: core, benchmarks).
+
+Target: per-rank peak RSS <= 1.15 x (weights / tp) + the RSS of a process that only imports torch,
+transformers and autotp. Prints a table, writes benchmarks/results/load_memory.json.
+
+    python benchmarks/load_memory.py [--dtype bfloat16] [--tp 1 2 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from common import starcoderbase_1b, write_json
+
+HERE = Path(__file__).parent
+
+
+def ranks(nproc: int, arg: str, threads: int) -> list[dict]:
+    with tempfile.TemporaryDirectory() as out_dir:
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(HERE), "BENCH_OUT": out_dir}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-port", "29533", str(HERE / "load_worker.py"), arg]
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+        if out.returncode:
+            raise SystemExit(out.stderr[-3000:])
+        return [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
+    args = parser.parse_args()
+
+    ckpt = starcoderbase_1b(args.dtype)
+    weights_mib = (ckpt / "model.safetensors").stat().st_size / 2**20
+    idle = ranks(1, "idle", 1)[0]["idle_rss_mib"]
+    rows = []
+    for tp in args.tp:
+        for r in ranks(tp, str(ckpt), max(1, os.cpu_count() // tp)):
+            target = 1.15 * weights_mib / tp + idle
+            peak = max(r["peak_rss_load_mib"], r["peak_rss_forward_mib"])
+            rows.append({"tp": tp, **r, "target_mib": round(target, 1), "met": peak <= target})
+    print(f"starcoderbase-1b shape, {args.dtype}, checkpoint {weights_mib:.0f} MiB, idle-import RSS {idle:.0f} MiB")
+    print(f"{'tp':>3} {'rank':>4} {'params MiB':>10} {'read MiB':>9} {'peak RSS load':>13} {'+forward':>9} "
+          f"{'target MiB':>10} {'met':>4} {'load s':>7}")
+    for r in rows:
+        print(f"{r['tp']:>3} {r['rank']:>4} {r['param_mib']:>10} {r['read_mib']:>9} {r['peak_rss_load_mib']:>13} "
+              f"{r['peak_rss_forward_mib']:>9} {r['target_mib']:>10} {'yes' if r['met'] else 'NO':>4} {r['load_s']:>7}")
+    write_json(HERE / "results" / f"load_memory_{args.dtype}.json",
+               {"checkpoint_mib": round(weights_mib, 1), "idle_rss_mib": round(idle, 1), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

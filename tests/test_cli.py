@@ -1,0 +1,110 @@
+"""The command line as a user runs it: `autotp plan` alone, `autotp generate` under torchrun."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from checkpoints import PROMPT, word_tokenizer
+from pool import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+STARCODER = ROOT / "examples" / "starcoder"
+
+
+def run(args, timeout=120):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def autotp(*args):
+    return run([sys.executable, "-m", "autotp", *args])
+
+
+def torchrun(n, *args, script=None):
+    target = [script] if script else ["-m", "autotp"]
+    return run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n),
+                "--master-port", str(free_port()), *target, *args])
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("autotp: error")]
+
+
+def test_plan_of_starcoder_from_its_config_alone():
+    assert sorted(p.name for p in STARCODER.iterdir()) == ["config.json"]
+    out = autotp("plan", "--model", str(STARCODER), "--tp", "4", "--json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert [r["q_heads"] for r in report["ranks"]] == [[0, 12], [12, 24], [24, 36], [36, 48]]
+    c_attn = {r["rank"]: next(t for t in r["tensors"] if t["name"] == "transformer.h.0.attn.c_attn.weight")
+              for r in report["ranks"]}
+    assert c_attn[3]["holds"] == "rows 4608:6144 + 6144:6272 + 6272:6400"
+    assert c_attn[3]["local_shape"] == [1792, 6144]
+    totals = [r["total_bytes"] for r in report["ranks"]]
+    assert totals[0] == totals[3] and 7.3 * 2**30 < totals[0] < 7.5 * 2**30  # 31 GB bf16 / 4 + replicated
+    text = autotp("plan", "--model", str(STARCODER), "--tp", "4")
+    assert "transformer.h.*.attn.c_attn.weight x40" in text.stdout
+
+
+def test_plan_rejects_more_ranks_than_heads_in_one_line():
+    out = autotp("plan", "--model", str(STARCODER), "--tp", "64")
+    assert out.returncode == 2
+    assert out.stderr.strip() == ("autotp: error: tp_size 64 exceeds the 48 query heads: "
+                                  "at most 48 ranks can hold a head")
+
+
+def test_generate_under_torchrun_matches_the_unsharded_model(checkpoint):
+    model_dir, ref = checkpoint("mqa10")
+    ids = ",".join(map(str, PROMPT[0]))
+    out = torchrun(2, "generate", "--model", model_dir, "--input-ids", ids, "--max-new-tokens", "32", "--json")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 1, "only rank 0 prints"
+    assert json.loads(lines[0]) == {"output_ids": ref["greedy"], "text": None}
+
+
+def test_generate_with_a_tokenizer_prints_text(tmp_path, checkpoint):
+    model_dir, _ = checkpoint("mqa12")
+    tok = word_tokenizer(tmp_path)
+    out = torchrun(2, "generate", "--model", model_dir, "--tokenizer", tok, "--prompt", "w3 w17 w42",
+                   "--max-new-tokens", "8", "--json", "--do-sample", "--seed", "7")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert len(result["output_ids"][0]) == 3 + 8 and len(result["text"].split()) == 8
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--input-ids", "1,2,3", "--max-new-tokens", "62"],
+     "prompt of 3 tokens + 62 new tokens exceeds the model's context of 64 positions"),
+    (["--prompt", "w1 w2"], "cannot load a tokenizer from"),
+])
+def test_generate_errors_are_one_line_from_rank_0(checkpoint, args, message):
+    model_dir, _ = checkpoint("mqa12")
+    out = torchrun(2, "generate", "--model", model_dir, *args)
+    assert out.returncode != 0
+    lines = error_lines(out.stderr)
+    assert len(lines) == 1 and message in lines[0] and lines[0].startswith("autotp: error: "), out.stderr
+    # our line comes first; what follows is torchrun's own failure summary, with no frame of ours in it
+    assert out.stderr.splitlines()[0] == lines[0]
+    assert not [line for line in out.stderr.splitlines() if line.strip().startswith("File") and "autotp" in line]
+
+
+def test_generate_errors_in_a_single_process(tmp_path):
+    out = autotp("generate", "--model", str(tmp_path / "nope"), "--input-ids", "1")
+    assert out.returncode == 2 and error_lines(out.stderr) == [
+        f"autotp: error: model '{tmp_path / 'nope'}' is not a directory"]
+    out = autotp("generate", "--model", str(STARCODER), "--input-ids", "1")
+    assert out.returncode == 2 and "no model.safetensors or model.safetensors.index.json" in out.stderr
+
+
+def test_a_failing_rank_stops_every_rank(checkpoint):
+    model_dir, _ = checkpoint("mqa12")
+    start = time.monotonic()
+    out = torchrun(2, "generate", "--model", model_dir, "--input-ids", "1,2", script=str(Path(__file__).parent /
+                                                                                           "fault_rank1.py"))
+    assert out.returncode != 0 and time.monotonic() - start < 60
+    assert "autotp: error on rank 1: RuntimeError: injected failure on rank 1" in out.stderr
