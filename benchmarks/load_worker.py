@@ -7,7 +7,6 @@ import sys
 import time
 
 import torch
-
 from common import current_rss_mib, peak_rss_mib
 
 mode = sys.argv[1]

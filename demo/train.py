@@ -80,7 +80,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--log-dir", type=Path, default=REPO / "demo", help="loss curve CSV + metrics JSON")
     p.add_argument("--work", type=Path, default=REPO / "demo/.work", help="caches (git-ignored)")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--budget-minutes", type=float, default=30.0, help="wall-clock budget of the whole run")
+    p.add_argument("--budget-minutes", type=float, default=32.0, help="wall-clock budget of the whole run")
     p.add_argument("--replay", type=Path, default=None, help="repeat the steps of a loss_curve.csv exactly")
     p.add_argument("--max-files", type=int, default=None, help="use only the first N files (smoke tests)")
     p.add_argument("--site-packages", action="store_true", help="also train on site-packages sources")
@@ -103,6 +103,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--eval-windows", type=int, default=64, help="held-out 512-token windows for the report")
     p.add_argument("--curve-windows", type=int, default=16, help="held-out windows per loss-curve point")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--report-only", action="store_true", help="only rewrite README.md + loss.png from the last run's logs"
+    )
     return p.parse_args()
 
 
@@ -194,9 +197,7 @@ def to_hf_tokenizer(tok):
 
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable-character table used by the ByteLevel pre-tokenizer."""
-    bs = (
-        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
-    )
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -400,11 +401,7 @@ def samples(model, hf_tok) -> dict[str, str]:
 def lr_at(step: int, progress: float, args) -> float:
     """Linear warmup over the first steps, then cosine decay to min_lr_ratio * lr over the time budget."""
     cosine = 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-    return (
-        args.lr
-        * min(1.0, (step + 1) / args.warmup_steps)
-        * (args.min_lr_ratio + (1 - args.min_lr_ratio) * cosine)
-    )
+    return args.lr * min(1.0, (step + 1) / args.warmup_steps) * (args.min_lr_ratio + (1 - args.min_lr_ratio) * cosine)
 
 
 def seq_len_at(progress: float, args) -> int:
@@ -425,14 +422,18 @@ def main() -> None:
     torch.manual_seed(args.seed)
     for d in (args.out, args.log_dir, args.work):
         d.mkdir(parents=True, exist_ok=True)
+    if args.report_only:
+        with open(args.log_dir / "loss_curve.csv", newline="") as f:
+            plot_curve(list(csv.DictReader(f)), args.out / "loss.png", args)
+        summary = json.loads((args.log_dir / "metrics.json").read_text())
+        (args.out / "README.md").write_text(model_card(summary, args))
+        return
 
     # --- corpus ------------------------------------------------------------------------------------------
     docs = collect_sources(args.site_packages)[: args.max_files]
     train_docs = [d for d in docs if not is_heldout(d.name, args.heldout_percent)]
     held_docs = [d for d in docs if is_heldout(d.name, args.heldout_percent)]
-    n_bytes = {
-        k: sum(len(d.text.encode()) for d in v) for k, v in (("train", train_docs), ("held", held_docs))
-    }
+    n_bytes = {k: sum(len(d.text.encode()) for d in v) for k, v in (("train", train_docs), ("held", held_docs))}
     log(
         f"corpus: {len(train_docs)} train files ({n_bytes['train'] / 1e6:.1f} MB), "
         f"{len(held_docs)} held-out files ({n_bytes['held'] / 1e6:.2f} MB)"
@@ -569,7 +570,7 @@ def main() -> None:
             "elapsed_s": f"{time.time() - t_start:.1f}",
         }
         if progress >= next_eval:
-            next_eval += 0.05
+            next_eval = (math.floor(progress / 0.05) + 1) * 0.05
             row["heldout_loss"] = f"{evaluate(model, curve_windows, fim, 0.0, args.seed)['loss']:.4f}"
             log(
                 f"step {step + 1} ({progress:.0%}) len {length} lr {lr:.2e} loss {loss.item():.3f} "
@@ -678,7 +679,15 @@ def plot_curve(rows: list[dict], path: Path, args) -> None:
     switch = next((i for i, r in enumerate(rows) if int(r["seq_len"]) == args.long_len), 0)
     if switch:
         ax.axvline(x[switch], color="grey", ls=":", lw=1)
-        ax.text(x[switch], ax.get_ylim()[1], f" seq len {args.long_len}", va="top", fontsize=8, color="grey")
+        ax.text(
+            x[switch],
+            0.98,
+            f" {args.long_len}-token windows",
+            transform=ax.get_xaxis_transform(),
+            va="top",
+            fontsize=8,
+            color="grey",
+        )
     ax.set_xlabel("training tokens (millions)")
     ax.set_ylabel("cross-entropy (nats / token)")
     ax.set_ylim(top=min(max(y), 9.0))
