@@ -26,8 +26,8 @@ PROMPT = "3,17,42,8,99,51,23"
 
 
 def sh(cmd: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-                          timeout=1800)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
 
 
 def build_venv() -> None:
@@ -68,7 +68,8 @@ def main() -> None:
         result = json.loads(ours.stdout.strip().splitlines()[-1]) if ours.returncode == 0 else {}
         rows.append({"system": "autotp", "tp": n, "error": None if ours.returncode == 0 else ours.stderr[-500:],
                      "tokens_equal": result.get("output_ids") == reference})
-    print("checkpoint: GPT-BigCode n_embd 384, 12 query heads, multi-query; reference = transformers 4.34 single process")
+    print("checkpoint: GPT-BigCode n_embd 384, 12 query heads, multi-query; "
+          "reference: transformers 4.34, single process")
     print(f"{'system':<18} {'tp':>2}  {'tokens == single process':<24} error")
     for r in rows:
         print(f"{r['system']:<18} {r['tp']:>2}  {str(r['tokens_equal']):<24} {r['error'] or ''}")
