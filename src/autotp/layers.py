@@ -38,6 +38,8 @@ class RowwiseLinear(nn.Linear):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.group is None:  # one rank: nothing to reduce, so keep the fused matmul + bias
+            return F.linear(x, self.weight, self.bias)
         y = all_reduce_sum(F.linear(x, self.weight), self.group)
         return y if self.bias is None else y + self.bias
 
