@@ -101,6 +101,16 @@ def test_generate_errors_in_a_single_process(tmp_path):
     assert out.returncode == 2 and "no model.safetensors or model.safetensors.index.json" in out.stderr
 
 
+def test_bad_flags_are_one_line(checkpoint):
+    out = autotp("generate", "--model", checkpoint("mqa12")[0], "--input-ids", "1", "--dtype", "float8")
+    assert out.returncode == 2 and out.stderr.splitlines() == [
+        "autotp: error: autotp generate: argument --dtype: invalid choice: 'float8' (choose from 'float32', "
+        "'bfloat16', 'float16')"]
+    out = autotp("plan", "--tp", "0")
+    assert out.returncode == 2 and out.stderr.splitlines() == [
+        "autotp: error: autotp plan: argument --tp: must be at least 1, got 0"]
+
+
 def test_a_failing_rank_stops_every_rank(checkpoint):
     model_dir, _ = checkpoint("mqa12")
     start = time.monotonic()

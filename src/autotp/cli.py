@@ -102,8 +102,17 @@ def cmd_generate(args) -> int:
     return 0
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line (rank 0 only: every rank parses the same argv) and exit 2."""
+
+    def error(self, message: str):
+        if distributed.rank() == 0:
+            print(f"autotp: error: {self.prog}: {message}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="autotp", description="Tensor-parallel inference for HF causal LMs.")
+    parser = Parser(prog="autotp", description="Tensor-parallel inference for HF causal LMs.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     plan = sub.add_parser("plan", help="show how each tensor is partitioned across ranks (reads no weights)")
