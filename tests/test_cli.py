@@ -67,6 +67,22 @@ def test_generate_under_torchrun_matches_the_unsharded_model(checkpoint):
     assert json.loads(lines[0]) == {"output_ids": ref["greedy"], "text": None}
 
 
+def test_generate_under_the_deepspeed_launchers_environment(checkpoint):
+    """What `deepspeed --num_gpus 2 --module autotp generate ...` does: env vars, and --local_rank=N appended."""
+    model_dir, ref = checkpoint("mqa10")
+    port, procs = free_port(), []
+    for rank in range(2):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+               "LOCAL_SIZE": "2", "CROSS_RANK": "0", "CROSS_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port)}
+        args = [sys.executable, "-u", "-m", "autotp", "generate", "--model", model_dir, "--max-new-tokens", "32",
+                "--input-ids", ",".join(map(str, PROMPT[0])), "--json", f"--local_rank={rank}"]
+        procs.append(subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert json.loads(outs[0][0]) == {"output_ids": ref["greedy"], "text": None} and outs[1][0] == ""
+
+
 def test_generate_with_a_tokenizer_prints_text(tmp_path, checkpoint):
     model_dir, _ = checkpoint("mqa12")
     tok = word_tokenizer(tmp_path)

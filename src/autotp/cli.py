@@ -138,6 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", choices=DTYPE_CHOICES, help="weights dtype (default: as stored)")
     gen.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available, else cpu")
     gen.add_argument("--json", action="store_true", help='print {"output_ids": ..., "text": ...} on rank 0')
+    # the `deepspeed` launcher appends --local_rank=N; LOCAL_RANK in the environment says the same
+    gen.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     gen.set_defaults(func=cmd_generate)
     return parser
 
