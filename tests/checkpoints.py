@@ -45,7 +45,10 @@ def reference(model, new_tokens: int = 32, seed: int = 1234) -> dict:
         logits = model(ids).logits
     greedy = generate(model, ids, max_new_tokens=new_tokens)
     sampled = generate(model, ids, max_new_tokens=16, do_sample=True, temperature=1.0, top_k=0, seed=seed)
-    return {"logits": logits, "greedy": greedy.tolist(), "sampled": sampled.tolist()}
+    nucleus = generate(model, ids, max_new_tokens=16, do_sample=True, temperature=0.7, top_p=0.9, top_k=20, seed=seed)
+    beams = generate(model, ids, max_new_tokens=12, num_beams=3)
+    return {"logits": logits, "greedy": greedy.tolist(), "sampled": sampled.tolist(), "nucleus": nucleus.tolist(),
+            "beams": beams.tolist()}
 
 
 def word_tokenizer(directory, vocab_size: int = 101) -> str:

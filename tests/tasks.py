@@ -17,12 +17,16 @@ def sharded_outputs(model_dir: str, prompt: list[list[int]], new_tokens: int, se
         logits = model(ids).logits
     greedy = generate(model, ids, max_new_tokens=new_tokens)
     sampled = generate(model, ids, max_new_tokens=16, do_sample=True, temperature=1.0, top_k=0, seed=seed)
+    nucleus = generate(model, ids, max_new_tokens=16, do_sample=True, temperature=0.7, top_p=0.9, top_k=20, seed=seed)
+    beams = generate(model, ids, max_new_tokens=12, num_beams=3)
     return {
         "info": model.autotp,
         "state": {k: v.clone() for k, v in model.state_dict().items()},
         "logits": logits,
         "greedy": greedy.tolist(),
         "sampled": sampled.tolist(),
+        "nucleus": nucleus.tolist(),
+        "beams": beams.tolist(),
     }
 
 

@@ -56,6 +56,8 @@ def test_parity(pools, checkpoint, name, tp):
         assert r["greedy"] == ref["greedy"]
         # all ranks sample the same tokens, and the same as one process with the same seed
         assert r["sampled"] == ranks[0]["sampled"] == ref["sampled"]
+        assert r["nucleus"] == ranks[0]["nucleus"] == ref["nucleus"]  # temperature 0.7, top-p 0.9, top-k 20
+        assert r["beams"] == ref["beams"]
     assert len(ref["greedy"][0]) == len(PROMPT[0]) + 32
     assert len(set(ref["greedy"][0][len(PROMPT[0]):])) > 3, "degenerate reference output proves nothing"
 
