@@ -135,3 +135,22 @@ def test_a_rank_that_dies_does_not_hang_the_others(pools):
 
     with pytest.raises(RuntimeError, match=r"ranks \[1\] died"):
         pools(2).run(die_or_reduce, 1, timeout=60)
+
+
+def test_hub_id_resolves_from_the_offline_cache(tmp_path, monkeypatch, checkpoint):
+    """A hub id is looked up in the huggingface_hub cache; HF_HUB_OFFLINE=1 means no request is made."""
+    model_dir, ref = checkpoint("mqa12")
+    snapshot = tmp_path / "hub" / "models--bigcode--tiny" / "snapshots" / "0123abcd"
+    shutil.copytree(model_dir, snapshot)
+    (tmp_path / "hub" / "models--bigcode--tiny" / "refs").mkdir()
+    (tmp_path / "hub" / "models--bigcode--tiny" / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as hub
+
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)
+    model = autotp.from_pretrained("bigcode/tiny")
+    assert model.autotp.bytes_read > 0
+    with pytest.raises(AutotpError, match="cannot find model 'bigcode/absent' locally or on the hub"):
+        autotp.from_pretrained("bigcode/absent")
