@@ -63,3 +63,19 @@ def die_or_reduce(victim: int) -> str:
     except Exception as e:  # noqa: BLE001
         return f"raised {type(e).__name__}"
     return "completed"
+
+
+def compiled_layers(model_dir: str) -> dict:
+    """The parallel layers trace with torch.compile(fullgraph=True): no graph break at a collective."""
+    model = autotp.from_pretrained(model_dir)
+    ids = torch.tensor([[3, 17, 42, 8]])
+    out = {}
+    with torch.no_grad():
+        hidden = model.transformer.wte(ids)
+        for name, module, x in [("wte", model.transformer.wte, ids),
+                                ("mlp_proj", model.transformer.h[0].mlp.c_proj,
+                                 torch.randn(1, 4, model.transformer.h[0].mlp.c_proj.in_features)),
+                                ("lm_head", model.lm_head, hidden)]:
+            compiled = torch.compile(module, backend="aot_eager", fullgraph=True)
+            out[name] = torch.equal(compiled(x), module(x))
+    return out
