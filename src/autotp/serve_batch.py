@@ -1,0 +1,128 @@
+"""One batch of completions through HF `generate`, identically on every rank.
+
+A batch is a list of `Row`s (plain data, broadcast from rank 0). Prompts are left-padded into one
+`generate` call; each row keeps its own sampling parameters, seed, token budget and stop strings:
+
+- `RowSampler` (a logits processor) samples each sampled row with the row's own seeded generator and
+  turns its scores into a one-hot, so HF's greedy argmax picks that token; greedy rows pass through
+  untouched, which keeps them identical to `autotp generate`. A row's tokens depend on its seed, not on
+  the rest of the batch.
+- `RowStop` (a stopping criterion) ends each row on its eos, stop string or `max_tokens`, and reports
+  each new token to rank 0's streaming callback.
+
+Every rank sees the same gathered logits and the same seeds, so every rank takes the same decisions and
+the collectives inside `generate` stay in lockstep. This module knows nothing of HTTP or scheduling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+
+
+@dataclass(frozen=True)
+class Row:
+    """One prompt's work, as every rank receives it."""
+
+    ids: tuple[int, ...]  # prompt token ids
+    max_tokens: int
+    temperature: float  # 0: greedy
+    top_p: float
+    seed: int
+    stop: tuple[str, ...] = ()
+
+
+@dataclass
+class Outcome:
+    tokens: list[int]  # generated ids, up to and including the one that ended the row
+    finish_reason: str  # "stop" (eos or a stop string) or "length"
+
+
+def decode(tokenizer, tokens: list[int]) -> str:
+    """The completion text as `autotp generate --json` writes it."""
+    return tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def cut_at_stop(text: str, stop: tuple[str, ...]) -> tuple[str, bool]:
+    """text up to the earliest stop string (excluded), and whether one occurred."""
+    hits = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return (text[:min(hits)], True) if hits else (text, False)
+
+
+class RowSampler(LogitsProcessor):
+    """scores (batch, vocab) -> the same scores for greedy rows, a one-hot of the sampled token for the others."""
+
+    def __init__(self, rows: list[Row], device: torch.device):
+        self.rows = rows
+        self.generators = [torch.Generator(device=device).manual_seed(r.seed) for r in rows]
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        out = scores
+        for i, row in enumerate(self.rows):
+            if row.temperature == 0:
+                continue
+            probs = torch.softmax(scores[i].float() / row.temperature, dim=-1)
+            if row.top_p < 1:
+                # nucleus: keep the most likely tokens whose mass before them is < top_p (always the first)
+                sorted_probs, order = probs.sort(descending=True)
+                drop = sorted_probs.cumsum(-1) - sorted_probs >= row.top_p
+                probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0))
+            token = torch.multinomial(probs, 1, generator=self.generators[i])
+            if out is scores:
+                out = scores.clone()
+            out[i] = float("-inf")
+            out[i, token] = 0
+        return out
+
+
+class RowStop(StoppingCriteria):
+    """input_ids (batch, prompt_len + t) after step t -> (batch,) bool: which rows are finished."""
+
+    def __init__(self, rows: list[Row], prompt_len: int, eos: set[int], tokenizer,
+                 on_token: Callable[[int, list[int]], None] | None):
+        self.rows, self.prompt_len, self.eos, self.tokenizer = rows, prompt_len, eos, tokenizer
+        self.on_token = on_token
+        self.outcomes: list[Outcome | None] = [None] * len(rows)
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        generated = input_ids[:, self.prompt_len:].tolist()
+        for i, row in enumerate(self.rows):
+            if self.outcomes[i] is not None:
+                continue  # finished rows keep being computed (padding) until the whole batch ends
+            tokens = generated[i]
+            if tokens[-1] in self.eos or (row.stop and cut_at_stop(decode(self.tokenizer, tokens), row.stop)[1]):
+                self.outcomes[i] = Outcome(tokens, "stop")
+            elif len(tokens) >= row.max_tokens:
+                self.outcomes[i] = Outcome(tokens, "length")
+            elif self.on_token is not None:  # the finishing token is left to the final text, cut at its stop
+                self.on_token(i, tokens)
+        done = [o is not None for o in self.outcomes]
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+
+def _eos_ids(model) -> set[int]:
+    eos = model.generation_config.eos_token_id
+    return set(eos) if isinstance(eos, list) else {eos} if eos is not None else set()
+
+
+def run_batch(model, tokenizer, rows: list[Row],
+              on_token: Callable[[int, list[int]], None] | None = None) -> list[Outcome]:
+    """Generate every row; on_token(row index, tokens so far) after each token that leaves its row unfinished."""
+    eos = _eos_ids(model)
+    pad = model.generation_config.pad_token_id
+    if pad is None:
+        pad = min(eos) if eos else 0
+    width = max(len(r.ids) for r in rows)
+    # left padding: (batch, width); HF derives position ids from the mask, so each row sees positions 0..len-1
+    ids = torch.tensor([[pad] * (width - len(r.ids)) + list(r.ids) for r in rows])
+    mask = torch.tensor([[0] * (width - len(r.ids)) + [1] * len(r.ids) for r in rows])
+    stop = RowStop(rows, width, eos, tokenizer, on_token)
+    with torch.inference_mode():
+        model.generate(ids.to(model.device), attention_mask=mask.to(model.device), pad_token_id=pad,
+                       do_sample=False, num_beams=1, max_new_tokens=max(r.max_tokens for r in rows),
+                       logits_processor=LogitsProcessorList([RowSampler(rows, model.device)]),
+                       stopping_criteria=StoppingCriteriaList([stop]))
+    return stop.outcomes

@@ -1,0 +1,210 @@
+"""The rank-lockstep scheduler behind `autotp serve`.
+
+Rank 0's main thread runs `Engine.run`: it takes waiting jobs (from the HTTP thread) into a batch,
+broadcasts a command on a gloo control group, runs the batch itself and hands each job its text. The
+other ranks run `follow`: receive a command, run the same batch, repeat. Commands are
+
+    ("generate", [Row, ...])   every rank runs serve_batch.run_batch on these rows
+    ("idle",)                  sent every HEARTBEAT_S with no work, so a dead rank shows within seconds
+    ("stop",)                  every rank returns
+
+Because only rank 0 decides and every rank executes the same command list, ranks cannot drift apart.
+A failed broadcast or batch on rank 0 (a rank died, a collective timed out) is not recoverable: the
+engine answers every job 503 and returns 1. Nothing here knows HTTP; jobs carry an `emit` callback.
+"""
+
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from autotp.serve_batch import Row, cut_at_stop, decode, run_batch
+
+HEARTBEAT_S = 0.5
+CONTROL_TIMEOUT_S = 60  # no broadcast waits longer than a heartbeat plus one batch's finishing step
+GRACE_S = 5  # a signalled worker waits this long for rank 0's "stop" before leaving on its own
+
+
+class Control:
+    """Command broadcast from rank 0 over a gloo group of its own (NCCL runs keep NCCL for the model)."""
+
+    def __init__(self):
+        self.group = None
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=CONTROL_TIMEOUT_S))
+
+    def share(self, value):
+        """rank 0's value on every rank."""
+        if self.group is None:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+
+class StopFlag:
+    """Set from a SIGINT/SIGTERM handler (one assignment, safe there); remembers when."""
+
+    def __init__(self):
+        self.at: float | None = None
+
+    def set(self) -> None:
+        if self.at is None:
+            self.at = time.monotonic()
+
+    def is_set(self) -> bool:
+        return self.at is not None
+
+    def age(self) -> float:
+        return 0.0 if self.at is None else time.monotonic() - self.at
+
+
+class TextStream:
+    """Streamed text of one job: deltas that never need taking back.
+
+    Held back: trailing U+FFFD (a multi-byte character whose bytes are not all generated yet) and the
+    last len(longest stop) - 1 characters (they may begin a stop string, which is never sent)."""
+
+    def __init__(self, stop: tuple[str, ...]):
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.sent = ""
+
+    def delta(self, text: str, final: bool = False) -> str:
+        if not final:
+            text = text.rstrip("\ufffd")
+            text = text[:len(text) - self.hold]
+        if len(text) <= len(self.sent) or not text.startswith(self.sent):
+            return ""
+        new, self.sent = text[len(self.sent):], text
+        return new
+
+
+@dataclass
+class Result:
+    text: str
+    finish_reason: str
+    completion_tokens: int
+
+
+@dataclass
+class Job:
+    """One prompt of one request, as rank 0 tracks it. emit(event) must be thread-safe; events are
+    ("text", index, delta) when streaming, then ("done", index, Result) or ("error", index, (status, message))."""
+
+    row: Row
+    index: int
+    emit: Callable[[tuple], None]
+    stream: TextStream | None = None
+
+    def fail(self, status: int, message: str) -> None:
+        self.emit(("error", self.index, (status, message)))
+
+
+def log(message: str) -> None:
+    print(f"autotp serve: {message}", file=sys.stderr, flush=True)
+
+
+class Engine:
+    """Rank 0's scheduler: `submit` from any thread, `run` in the main thread until `stopping` is set."""
+
+    def __init__(self, model, tokenizer, control: Control, stopping: StopFlag, max_batch_size: int,
+                 max_model_len: int):
+        self.model, self.tokenizer, self.control = model, tokenizer, control
+        self.max_batch_size, self.max_model_len = max_batch_size, max_model_len
+        self.inbox: queue.Queue[Job] = queue.Queue()
+        self.waiting: list[Job] = []
+        self.lock = threading.Lock()  # makes "accepting" and "queued" one step, so no job is lost at shutdown
+        self.accepting = True
+        self.stopping = stopping
+
+    def submit(self, jobs: list[Job]) -> bool:
+        """Queue a request's jobs together; False once the engine is stopping or dead."""
+        with self.lock:
+            if not self.accepting:
+                return False
+            for job in jobs:
+                self.inbox.put(job)
+        return True
+
+    def run(self) -> int:
+        """Schedule until stopped (0) or until the ranks can no longer run in lockstep (1)."""
+        batch: list[Job] = []
+        try:
+            while not self.stopping.is_set():
+                batch = self._next_batch()
+                self.control.share(("generate", [j.row for j in batch]) if batch else ("idle",))
+                if batch:
+                    self._run(batch)
+                batch = []
+            self.control.share(("stop",))
+            return 0
+        except Exception as e:  # noqa: BLE001 - a rank died or a collective failed: lockstep is lost
+            reason = f"{type(e).__name__}: {e}".splitlines()[0]
+            log(f"tensor-parallel ranks failed, shutting down: {reason}")
+            for job in batch:
+                job.fail(503, "the tensor-parallel ranks failed while running this request; the server is exiting")
+            return 1
+        finally:
+            with self.lock:
+                self.accepting = False
+            while not self.inbox.empty():
+                self.waiting.append(self.inbox.get_nowait())
+            for job in self.waiting:
+                job.fail(503, "the server is shutting down")
+
+    def _fits(self, batch: list[Job]) -> bool:
+        # left padding makes every row as long as the longest prompt plus the largest budget
+        longest = max(len(j.row.ids) for j in batch)
+        return longest + max(j.row.max_tokens for j in batch) <= self.max_model_len
+
+    def _next_batch(self) -> list[Job]:
+        """Waiting jobs in arrival order, up to max_batch_size and the context; [] after a heartbeat of none."""
+        if not self.waiting:
+            try:
+                self.waiting.append(self.inbox.get(timeout=HEARTBEAT_S))
+            except queue.Empty:
+                return []
+        while not self.inbox.empty():
+            self.waiting.append(self.inbox.get_nowait())
+        size = 1  # the first job always fits alone: requests are checked against max_model_len
+        while (size < min(self.max_batch_size, len(self.waiting)) and self._fits(self.waiting[:size + 1])):
+            size += 1
+        batch, self.waiting = self.waiting[:size], self.waiting[size:]
+        return batch
+
+    def _run(self, batch: list[Job]) -> None:
+        def on_token(i: int, tokens: list[int]) -> None:
+            job = batch[i]
+            if job.stream is not None:
+                delta = job.stream.delta(decode(self.tokenizer, tokens))
+                if delta:
+                    job.emit(("text", job.index, delta))
+
+        outcomes = run_batch(self.model, self.tokenizer, [j.row for j in batch], on_token)
+        for job, out in zip(batch, outcomes, strict=True):
+            text, _ = cut_at_stop(decode(self.tokenizer, out.tokens), job.row.stop)
+            if job.stream is not None:
+                delta = job.stream.delta(text, final=True)
+                if delta:
+                    job.emit(("text", job.index, delta))
+            job.emit(("done", job.index, Result(text, out.finish_reason, len(out.tokens))))
+
+
+def follow(model, tokenizer, control: Control, stopping: StopFlag) -> int:
+    """A worker rank: run rank 0's commands until "stop". Signalled alone (rank 0 still sends work), it
+    leaves between batches after GRACE_S; rank 0 then sees the broken group and shuts down."""
+    while True:
+        command = control.share(None)
+        if command[0] == "stop":
+            return 0
+        if command[0] == "generate":
+            run_batch(model, tokenizer, command[1])
+        elif stopping.is_set() and stopping.age() > GRACE_S:
+            return 0
