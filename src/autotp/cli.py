@@ -1,4 +1,4 @@
-"""Command line: `autotp plan` (no processes, no weights) and `autotp generate` (under torchrun).
+"""Command line: `autotp plan` (no processes, no weights), `autotp generate` and `autotp serve` (under torchrun).
 
 Thin by design: argparse, then the library by keyword. Bad input ends in one line on stderr and a
 non-zero exit: AutotpError (the same on every rank) is printed by rank 0; any other failure is printed
@@ -18,6 +18,7 @@ from autotp import distributed
 from autotp.errors import AutotpError
 
 DTYPE_CHOICES = ["float32", "bfloat16", "float16"]
+DEMO_ID = "autotp-demo"  # the name `autotp serve` gives the embedded demo model
 
 
 def default_model() -> str:
@@ -33,6 +34,13 @@ def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def port_number(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 65535, got {value}")
     return value
 
 
@@ -111,6 +119,14 @@ class Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+def cmd_serve(args) -> int:
+    from autotp.serve import serve
+
+    return serve(args.model or default_model(), model_id=args.model or DEMO_ID, host=args.host, port=args.port,
+                 max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, dtype=args.dtype,
+                 device=args.device)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="autotp", description="Tensor-parallel inference for HF causal LMs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -141,6 +157,20 @@ def build_parser() -> argparse.ArgumentParser:
     # the `deepspeed` launcher appends --local_rank=N; LOCAL_RANK in the environment says the same
     gen.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible completions server on rank 0 (launch with torchrun)")
+    srv.add_argument("--model", help=f"model directory or hub id, also the name clients use (default: the embedded "
+                                     f"demo model, named {DEMO_ID})")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    srv.add_argument("--port", type=port_number, default=8000, help="port to listen on; 0 picks a free one "
+                                                                    "(default 8000)")
+    srv.add_argument("--max-batch-size", type=positive_int, default=16, help="prompts per batch (default 16)")
+    srv.add_argument("--max-model-len", type=positive_int, help="prompt + completion tokens per request "
+                                                                "(default: the model's context)")
+    srv.add_argument("--dtype", choices=DTYPE_CHOICES, help="weights dtype (default: as stored)")
+    srv.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available, else cpu")
+    srv.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # as for generate
+    srv.set_defaults(func=cmd_serve)
     return parser
 
 

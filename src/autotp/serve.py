@@ -1,0 +1,77 @@
+"""`autotp serve`: an OpenAI-compatible completions server on a tensor-parallel model.
+
+Every rank loads its shard; rank 0 also runs the HTTP server (serve_http) in a thread and the scheduler
+(serve_engine.Engine) in its main thread, the other ranks follow rank 0's commands. SIGINT/SIGTERM on
+any rank set a flag: rank 0 stops taking requests, finishes the batch in flight, answers what is queued
+with 503 and tells every rank to stop. Everything that can be checked (port, tokenizer, context) is
+checked on every rank before the weights are read.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import autotp
+from autotp import distributed
+from autotp.api import load_config, resolve_model_dir
+from autotp.errors import AutotpError
+from autotp.generate import context_length
+from autotp.serve_api import Served
+from autotp.serve_engine import Control, Engine, StopFlag, follow, log
+from autotp.serve_http import HttpThread, build_app, listen
+
+
+def _tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError) as e:
+        raise AutotpError(f"autotp serve needs a tokenizer, and none loads from {model_dir} "
+                          f"({type(e).__name__})") from None
+
+
+def serve(model: str, model_id: str, host: str = "127.0.0.1", port: int = 8000, max_batch_size: int = 16,
+          max_model_len: int | None = None, dtype: str | None = None, device: str | None = None) -> int:
+    """Serve until signalled (returns 0) or until a rank fails (returns 1). port 0 picks a free port."""
+    env = distributed.init(device)
+    control = Control()
+    sock, error = None, None
+    if env.rank == 0:
+        try:
+            sock = listen(host, port)
+        except OSError as e:
+            error = f"cannot listen on {host}:{port}: {e.strerror or e}"
+    error = control.share(error)
+    if error:
+        raise AutotpError(error)
+
+    model_dir = resolve_model_dir(model)
+    limit = context_length(load_config(model_dir))
+    if max_model_len is not None and max_model_len > limit:
+        raise AutotpError(f"--max-model-len {max_model_len} exceeds the model's context of {limit} positions")
+    tokenizer = _tokenizer(model_dir)
+    net = autotp.from_pretrained(model_dir, dtype=dtype, device=device)
+
+    stopping = StopFlag()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stopping.set())
+    if env.rank != 0:
+        return follow(net, tokenizer, control, stopping)
+
+    max_model_len = max_model_len or limit
+    engine = Engine(net, tokenizer, control, stopping, max_batch_size, max_model_len)
+    http = HttpThread(build_app(Served(model_id, tokenizer, max_model_len, int(time.time())), engine), sock)
+    try:
+        http.start()
+    except RuntimeError:
+        control.share(("stop",))
+        raise
+    address = sock.getsockname()
+    log(f"serving {model_id} (tp={env.world_size}, max batch {max_batch_size}, context {max_model_len}) "
+        f"on http://{host}:{address[1]}")
+    code = engine.run()
+    http.stop()
+    log("stopped" if code == 0 else "exited after a rank failure")
+    return code

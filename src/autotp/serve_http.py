@@ -1,0 +1,156 @@
+"""Rank 0's HTTP side of `autotp serve`: the FastAPI app and the uvicorn thread that runs it.
+
+Endpoints: POST /v1/completions (JSON or server-sent events), GET /v1/models, GET /health. A request is
+checked by serve_api, split into one Job per prompt and handed to the Engine; the engine's thread sends
+results back into the event loop with `call_soon_threadsafe`. One log line per request, on stderr.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+import uuid
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from autotp.serve_api import (
+    ApiError,
+    Completion,
+    Served,
+    choice,
+    completion_chunk,
+    models_list,
+    parse_completion,
+    usage_of,
+)
+from autotp.serve_engine import Engine, Job, Result, TextStream, log
+
+
+def _sse(data: dict) -> str:
+    return f"data: {json.dumps(data)}\n\n"
+
+
+def _log_request(cid: str, status: int, start: float, prompt_tokens: int = 0, results=(), error: str = "") -> None:
+    generated = sum(r.completion_tokens for r in results)
+    line = (f"{cid} status={status} prompt_tokens={prompt_tokens} generated_tokens={generated} "
+            f"latency={time.monotonic() - start:.3f}s")
+    log(f"{line} error={error!r}" if error else line)
+
+
+def build_app(served: Served, engine: Engine) -> FastAPI:
+    app = FastAPI(title="autotp serve", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(HTTPException)  # unknown paths and methods, in the same error shape
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        return JSONResponse(ApiError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
+
+    @app.get("/health")
+    async def health() -> dict:
+        if not engine.accepting:
+            raise ApiError(503, "the server is shutting down", type="server_error")
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return models_list(served)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        cid, start = f"cmpl-{uuid.uuid4().hex[:24]}", time.monotonic()
+        try:
+            req = parse_completion(await request.body(), served)
+        except ApiError as e:
+            _log_request(cid, e.status, start, error=e.message)
+            raise
+        events: asyncio.Queue[tuple] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def emit(event: tuple) -> None:  # from the engine's thread
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, event)
+            except RuntimeError:  # the event loop is gone (shutdown): nobody is waiting any more
+                pass
+
+        jobs = [Job(row, i, emit, TextStream(row.stop) if req.stream else None) for i, row in enumerate(req.rows)]
+        if not engine.submit(jobs):
+            _log_request(cid, 503, start, req.prompt_tokens, error="shutting down")
+            raise ApiError(503, "the server is shutting down", type="server_error")
+        if req.stream:
+            return StreamingResponse(_stream(cid, served, req, events, start), media_type="text/event-stream")
+        results: dict[int, Result] = {}
+        while len(results) < len(jobs):
+            kind, index, payload = await events.get()
+            if kind == "error":
+                _log_request(cid, payload[0], start, req.prompt_tokens, results.values(), payload[1])
+                raise ApiError(*payload, type="server_error")
+            if kind == "done":
+                results[index] = payload
+        ordered = [results[i] for i in range(len(jobs))]
+        _log_request(cid, 200, start, req.prompt_tokens, ordered)
+        return completion_chunk(cid, served, [choice(i, r.text, r.finish_reason) for i, r in enumerate(ordered)],
+                                usage_of(req.prompt_tokens, ordered))
+
+    return app
+
+
+async def _stream(cid: str, served: Served, req: Completion, events: asyncio.Queue, start: float):
+    """Server-sent events as OpenAI sends them: text chunks, one finishing chunk per prompt, [DONE]."""
+    results: dict[int, Result] = {}
+    status, error = 200, ""
+    try:
+        while len(results) < len(req.rows):
+            kind, index, payload = await events.get()
+            if kind == "text":
+                yield _sse(completion_chunk(cid, served, [choice(index, payload, None)]))
+            elif kind == "done":
+                results[index] = payload
+                yield _sse(completion_chunk(cid, served, [choice(index, "", payload.finish_reason)]))
+            else:  # the status line is sent already: the error travels as an event, as OpenAI's does
+                status, error = payload
+                yield _sse(ApiError(status, error, type="server_error").body())
+                return
+        if req.include_usage:
+            yield _sse(completion_chunk(cid, served, [], usage_of(req.prompt_tokens, list(results.values()))))
+        yield "data: [DONE]\n\n"
+    finally:
+        _log_request(cid, status, start, req.prompt_tokens, results.values(), error)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening socket (port 0: any free one), bound before the model loads so a busy port fails fast."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family)
+
+
+class HttpThread:
+    """uvicorn in a daemon thread (the main thread belongs to the engine and the signal handlers)."""
+
+    def __init__(self, app: FastAPI, sock: socket.socket):
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True,
+                                       name="autotp-http")
+
+    def start(self, timeout: float = 60) -> None:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the HTTP server did not start")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        """Finish open responses (up to uvicorn's graceful timeout), then close."""
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
