@@ -1,0 +1,50 @@
+"""A tiny random GPT-BigCode checkpoint with a byte-level BPE tokenizer that has StarCoder's FIM tokens.
+
+Stands in for the demo model in the serve tests and benchmark, so they depend on neither its training
+nor its timing. Any text tokenizes (byte-level), and the random model emits arbitrary bytes: invalid
+UTF-8 in the middle of a completion is normal here, which exercises streaming's hold-back.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+SPECIAL = ["<|endoftext|>", "<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<fim_pad>"]
+CORPUS = ["def add(a, b):\n    return a + b\n", "def print_hello_world():\n    print('hello world')\n",
+          "for i in range(10):\n    total += i\n", "class Point:\n    def __init__(self, x, y):\n"] * 20
+
+
+def tokenizer(directory: Path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIAL,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=SPECIAL[0], bos_token=SPECIAL[0],
+                                   unk_token=SPECIAL[0], additional_special_tokens=SPECIAL[1:],
+                                   clean_up_tokenization_spaces=False)
+    fast.save_pretrained(directory)
+    return fast
+
+
+def build(directory: Path, n_positions: int = 128) -> str:
+    """Save tokenizer + random weights (vocab = the tokenizer's, eos = <|endoftext|>) into directory."""
+    from transformers import GPTBigCodeConfig, GPTBigCodeForCausalLM
+
+    tok = tokenizer(directory)
+    eos = tok.convert_tokens_to_ids(SPECIAL[0])
+    config = GPTBigCodeConfig(n_layer=2, n_embd=64, n_head=4, multi_query=True, n_inner=150, n_positions=n_positions,
+                              vocab_size=len(tok), bos_token_id=eos, eos_token_id=eos)
+    torch.manual_seed(0)
+    model = GPTBigCodeForCausalLM(config).eval()
+    with torch.no_grad():  # wide weights: greedy output that depends on every weight, not near-uniform logits
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    model.save_pretrained(directory)
+    return str(directory)

@@ -1,0 +1,291 @@
+"""`autotp serve` as a client sees it: a 2-rank server under torchrun, driven by the official `openai` package.
+
+One server is started for the module (tests run in file order; the last one stops it with SIGTERM), on
+a tiny random GPT-BigCode with a FIM tokenizer built in a temp dir; the dead-rank test starts its own.
+Greedy parity is checked against `autotp generate` run the way a user runs it.
+"""
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import fim_model
+import openai
+import pytest
+from pool import free_port
+
+from autotp.serve_batch import cut_at_stop
+from autotp.serve_engine import TextStream
+
+START_TIMEOUT_S = 180
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def children(pid: int) -> list[int]:
+    """Direct child processes of pid, from /proc."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+class Server:
+    """torchrun -m autotp serve on a free port (--port 0), output in a log file the tests read."""
+
+    def __init__(self, model_dir: str, log: Path, nproc: int = 2):
+        self.model_id, self.log = model_dir, log
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+               str(free_port()), "-m", "autotp", "serve", "--model", model_dir, "--port", "0", "--max-batch-size", "8"]
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=ENV, start_new_session=True)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not (found := re.search(r"on (http://127\.0\.0\.1:\d+)", self.text())):
+            assert self.proc.poll() is None, f"server exited {self.proc.returncode}:\n{self.text()[-3000:]}"
+            assert time.monotonic() < deadline, f"server not up after {START_TIMEOUT_S}s:\n{self.text()[-3000:]}"
+            time.sleep(0.2)
+        self.url = found.group(1)
+        self.ranks = children(self.proc.pid)
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def post(self, body: bytes | dict, path: str = "/v1/completions") -> tuple[int, dict]:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        request = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return fim_model.build(tmp_path_factory.mktemp("fim"))
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    s = Server(model_dir, tmp_path_factory.mktemp("serve") / "server.log")
+    yield s
+    s.kill()
+
+
+def autotp_generate(model_dir: str, *args: str) -> str:
+    """`torchrun --nproc-per-node 2 -m autotp generate ... --json`: the completion text."""
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                          str(free_port()), "-m", "autotp", "generate", "--model", model_dir, *args, "--json"],
+                         capture_output=True, text=True, timeout=120, env=ENV)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)["text"]
+
+
+def test_text_stream_holds_back_partial_characters_and_stop_prefixes():
+    stream = TextStream(("STOP",))
+    assert stream.delta("abc\ufffd") == ""  # len("STOP") - 1 = 3 characters are held back
+    assert stream.delta("abcdef\ufffd\ufffd") == "abc"  # and a partial character
+    assert stream.delta("abcdefgh") == "de"
+    assert stream.delta("abcdefghST") == "fg"
+    assert stream.delta("abcdefgh", final=True) == "h"  # the final text is cut at the stop already
+    assert cut_at_stop("abcSTOPdSTO", ("STOP", "d")) == ("abc", True)
+    assert cut_at_stop("abc", ("x",)) == ("abc", False)
+
+
+def test_models_and_health(server):
+    assert [m.id for m in server.client.models.list().data] == [server.model_id]
+    assert server.post(b"", "/health")[0] == 405  # health is GET
+    with urllib.request.urlopen(server.url + "/health", timeout=10) as r:
+        assert json.loads(r.read()) == {"status": "ok"}
+
+
+@pytest.mark.timeout(300)
+def test_greedy_completion_equals_autotp_generate(server, model_dir):
+    prompt, suffix = "def add(a, b):", "\n    return c\n"
+    plain = server.client.completions.create(model=server.model_id, prompt=prompt, max_tokens=24, temperature=0)
+    assert plain.choices[0].text == autotp_generate(model_dir, "--prompt", prompt, "--max-new-tokens", "24")
+    assert plain.usage.prompt_tokens == 7 and plain.usage.completion_tokens == 24
+    assert plain.choices[0].finish_reason == "length"
+    fim = server.client.completions.create(model=server.model_id, prompt=prompt, suffix=suffix, max_tokens=24,
+                                           temperature=0)
+    assert fim.choices[0].text == autotp_generate(model_dir, "--prompt", prompt, "--suffix", suffix,
+                                                  "--max-new-tokens", "24")
+    assert fim.choices[0].text != plain.choices[0].text
+
+
+def streamed(server, **kwargs) -> tuple[dict[int, str], dict[int, str], list]:
+    """Concatenated text and finish reason per choice index, and the usage chunks, of a streamed request."""
+    texts, reasons, usages = {}, {}, []
+    for chunk in server.client.completions.create(model=server.model_id, stream=True, **kwargs):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.finish_reason:
+                reasons[c.index] = c.finish_reason
+        if chunk.usage:
+            usages.append(chunk.usage)
+    return texts, reasons, usages
+
+
+@pytest.mark.parametrize("params", [
+    dict(prompt="for i in range(10):", max_tokens=40, temperature=0),
+    dict(prompt=["class Point:", "def f(x):"], max_tokens=40, temperature=0.9, top_p=0.9, seed=11),
+    dict(prompt="x = ", max_tokens=40, temperature=1.2, seed=5),
+])
+def test_streaming_yields_the_same_text_as_non_streaming(server, params):
+    whole = server.client.completions.create(model=server.model_id, **params)
+    texts, reasons, usages = streamed(server, stream_options={"include_usage": True}, **params)
+    assert texts == {c.index: c.text for c in whole.choices}
+    assert reasons == {c.index: c.finish_reason for c in whole.choices}
+    assert [u.model_dump() for u in usages] == [whole.usage.model_dump()]
+
+
+def test_stop_strings_cut_the_text_streamed_or_not(server):
+    full = server.client.completions.create(model=server.model_id, prompt="def add(a, b):", max_tokens=24,
+                                            temperature=0).choices[0].text
+    stop = full[5:8]  # somewhere inside the greedy completion
+    expected = full[:full.find(stop)]
+    cut = server.client.completions.create(model=server.model_id, prompt="def add(a, b):", max_tokens=24,
+                                           temperature=0, stop=[stop, "never appears"])
+    assert (cut.choices[0].text, cut.choices[0].finish_reason) == (expected, "stop")
+    assert cut.usage.completion_tokens < 24
+    assert streamed(server, prompt="def add(a, b):", max_tokens=24, temperature=0, stop=stop)[:2] == (
+        {0: expected}, {0: "stop"})
+
+
+def test_the_same_seed_gives_the_same_tokens(server):
+    a, b, c = (server.client.completions.create(model=server.model_id, prompt="def f(x):", max_tokens=24, seed=s,
+                                                temperature=1.0).choices[0].text for s in (7, 7, 8))
+    assert a == b and a != c
+
+
+BAD = [  # (body, status, param, message fragment)
+    (b'{"model": "m", "prompt": ', 400, None, "not valid JSON"),
+    (b'["a list"]', 400, None, "must be a JSON object"),
+    ({"model": "gpt-4", "prompt": "x"}, 404, "model", "does not exist"),
+    ({"prompt": "x"}, 400, "model", "missing required argument: model"),
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "at least 1, got 0"),
+    ({"prompt": "x", "max_tokens": 500}, 400, "max_tokens", "context of 128 tokens"),
+    ({"prompt": "x" * 400, "max_tokens": 4}, 400, "prompt", "exceeds the context of 128 tokens"),
+    ({"prompt": "x", "max_tokens": "5"}, 400, "max_tokens", "valid integer"),
+    ({"prompt": "x", "max_tokens": 2.5}, 400, "max_tokens", "valid integer"),
+    ({"prompt": 3}, 400, "prompt", "invalid prompt"),
+    ({"prompt": []}, 400, "prompt", "prompt list is empty"),
+    ({"prompt": ""}, 400, "prompt", "the prompt is empty"),
+    ({"prompt": "x", "temperature": "hot"}, 400, "temperature", "valid number"),
+    ({"prompt": "x", "temperature": 3}, 400, "temperature", "between 0 and 2, got 3"),
+    ({"prompt": "x", "top_p": 0}, 400, "top_p", "(0, 1]"),
+    ({"prompt": "x", "n": 2}, 400, "n", "not supported"),
+    ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "at most 4"),
+    ({"prompt": "x", "stream": "yes"}, 400, "stream", "valid boolean"),
+    ({"prompt": "x", "bogus": 1}, 400, "bogus", "unrecognized request argument"),
+]
+
+
+@pytest.mark.parametrize("body, status, param, fragment", BAD, ids=[f"{b[1]}-{b[2]}-{i}" for i, b in enumerate(BAD)])
+def test_bad_input_is_a_4xx_and_the_next_request_succeeds(server, body, status, param, fragment):
+    if isinstance(body, dict) and "model" not in body and param != "model":
+        body = {"model": server.model_id, **body}
+    code, error = server.post(body)
+    assert code == status
+    assert set(error["error"]) == {"message", "type", "param", "code"}
+    assert error["error"]["param"] == param and fragment in error["error"]["message"], error
+    ok = server.client.completions.create(model=server.model_id, prompt="x", max_tokens=2)
+    assert ok.usage.completion_tokens >= 1
+
+
+@pytest.mark.timeout(240)
+def test_fifty_concurrent_requests_all_succeed(server):
+    """40 good requests (greedy and seeded) and 10 bad ones at once: every good one gets what it gets alone."""
+    prompts = [f"def f{i}(x):" for i in range(40)]
+    params = [dict(prompt=p, max_tokens=8 + i % 5, **(dict(temperature=0) if i % 2 else dict(seed=i)))
+              for i, p in enumerate(prompts)]
+    alone = [server.client.completions.create(model=server.model_id, **kw) for kw in params[:6]]
+
+    async def burst():
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        good = [client.completions.create(model=server.model_id, **kw) for kw in params]
+        bad = [client.completions.create(model=server.model_id, prompt="x", max_tokens=-i) for i in range(10)]
+        try:
+            return await asyncio.gather(asyncio.gather(*good, return_exceptions=True),
+                                        asyncio.gather(*bad, return_exceptions=True))
+        finally:
+            await client.close()
+
+    good, bad = asyncio.run(burst())
+    assert not [r for r in good if isinstance(r, Exception)]
+    assert all(isinstance(e, openai.BadRequestError) and e.status_code == 400 for e in bad), bad
+    for lone, batched in zip(alone, good[:6], strict=True):
+        assert (batched.choices[0].text, batched.usage) == (lone.choices[0].text, lone.usage)
+    assert all(r.usage.completion_tokens >= 1 for r in good)
+    assert re.search(r"cmpl-\w+ status=200 prompt_tokens=\d+ generated_tokens=\d+ latency=[\d.]+s", server.text())
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_stops_every_rank(server):
+    assert len(server.ranks) == 2 and all(alive(p) for p in server.ranks)
+    server.proc.send_signal(signal.SIGTERM)
+    server.proc.wait(timeout=45)
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in server.ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in server.ranks if alive(p)], server.text()[-2000:]
+    assert "autotp serve: stopped" in server.text()
+
+
+@pytest.mark.timeout(240)
+def test_a_dead_rank_gets_503_and_the_server_exits(model_dir, tmp_path):
+    s = Server(model_dir, tmp_path / "server.log")
+    try:
+        assert s.client.completions.create(model=s.model_id, prompt="x", max_tokens=2).usage.completion_tokens
+        worker = max(s.ranks)  # rank 1 was started second
+        os.kill(worker, signal.SIGKILL)
+        with pytest.raises((openai.InternalServerError, openai.APIConnectionError)) as failure:
+            for _ in range(100):
+                s.client.completions.create(model=s.model_id, prompt="x", max_tokens=2)
+                time.sleep(0.1)
+        if isinstance(failure.value, openai.InternalServerError):
+            assert failure.value.status_code == 503
+        s.proc.wait(timeout=60)
+        assert s.proc.returncode != 0
+        assert not [p for p in s.ranks if alive(p)]
+    finally:
+        s.kill()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-model-len", "4096"], "--max-model-len 4096 exceeds the model's context of 128 positions"),
+    (["--port", "BUSY"], "cannot listen on 127.0.0.1:"),
+])
+def test_startup_errors_are_one_line(model_dir, args, message):
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        args = [str(busy.getsockname()[1]) if a == "BUSY" else a for a in args]
+        out = subprocess.run([sys.executable, "-m", "autotp", "serve", "--model", model_dir, *args],
+                             capture_output=True, text=True, timeout=120, env=ENV)
+    assert out.returncode == 2 and out.stderr.strip().startswith(f"autotp: error: {message}"), out.stderr
