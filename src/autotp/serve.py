@@ -12,6 +12,8 @@ from __future__ import annotations
 import signal
 import time
 
+import torch.distributed as dist
+
 import autotp
 from autotp import distributed
 from autotp.api import load_config, resolve_model_dir
@@ -53,6 +55,10 @@ def serve(model: str, model_id: str, host: str = "127.0.0.1", port: int = 8000, 
         raise AutotpError(f"--max-model-len {max_model_len} exceeds the model's context of {limit} positions")
     tokenizer = _tokenizer(model_dir)
     net = autotp.from_pretrained(model_dir, dtype=dtype, device=device)
+    if env.group is not None:
+        # ranks finish loading at different times: wait here under the process group's long timeout
+        # (AUTOTP_TIMEOUT), not in the control group's first broadcast, whose timeout is short
+        dist.barrier(group=env.group)
 
     stopping = StopFlag()
     for sig in (signal.SIGINT, signal.SIGTERM):
