@@ -682,9 +682,10 @@ def plot_curve(rows: list[dict], path: Path, args) -> None:
         ax.text(
             x[switch],
             0.98,
-            f" {args.long_len}-token windows",
+            f"{args.long_len}-token windows ",
             transform=ax.get_xaxis_transform(),
             va="top",
+            ha="right",
             fontsize=8,
             color="grey",
         )
@@ -693,7 +694,7 @@ def plot_curve(rows: list[dict], path: Path, args) -> None:
     ax.set_ylim(top=min(max(y), 9.0))
     ax.set_title("autotp demo model (GPT-BigCode, MQA, 12 heads) on CPython stdlib")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(loc="lower left")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -708,8 +709,8 @@ def model_card(s: dict, args) -> str:
 A tiny [StarCoder](https://huggingface.co/bigcode/starcoder)-architecture (GPT-BigCode) model trained
 from scratch on the Python standard library, shipped inside `autotp` so that tensor-parallel tests and
 examples run on a real, trained checkpoint without downloading anything. **It is a test fixture, not a
-coding assistant**: it writes Python-flavoured text with plausible indentation, keywords and names, not
-correct or useful code.
+coding assistant**: it writes Python-flavoured text (indentation, comments, identifier fragments) that
+soon degenerates into repetition, never correct or useful code.
 
 ## Architecture
 
@@ -756,7 +757,9 @@ of the training time, 512-token windows (the full context) for the rest.
 - {s["steps"]:,} steps, {s["tokens_seen"]:,} tokens seen ({s["epochs"]:.2f} epochs of the training files)
 - {s["train_seconds"] / 60:.1f} min of training, {s["total_seconds"] / 60:.1f} min end to end
   (tokenizer training included) on {s["machine"]}
-  (torch {s["torch"]}, transformers {s["transformers"]}, tokenizers {s["tokenizers"]})
+  (torch {s["torch"]}, transformers {s["transformers"]}, tokenizers {s["tokenizers"]}), i.e.
+  {s["tokens_seen"] / s["train_seconds"]:,.0f} tokens/s including the loss-curve evaluations; the cores
+  were shared with other jobs, and an idle machine gets more tokens into the same budget
 
 ![loss curve](loss.png)
 
@@ -792,11 +795,14 @@ generated middle (greedy, up to `<|endoftext|>` or 24 tokens): `{_esc(ex["fim_mi
 
 ## What it can and cannot do
 
-It continues Python source with Python-looking tokens: indentation, `def` / `self.` / `return`,
-docstring-ish prose, names borrowed from the standard library, and it answers the FIM prompt format
-with a middle. It has no reliable grasp of semantics: expect repetition, wrong or undefined names and
-code that does not run. Contexts longer than 512 tokens are not supported. Use it to test loading,
-sharding and numerical parity of tensor-parallel inference, not to generate code.
+With about one epoch over 2.6M tokens, it has learned the surface of Python source: indentation after
+`:`, comments, blank lines, docstring quotes, identifier fragments of the standard library. It has not
+learned to write code: greedy decoding falls into repetition within a few tokens, and its
+fill-in-the-middle answers follow the prompt format (a middle, then `<|endoftext|>` at best) without
+being a sensible infill; held-out FIM middles are predicted no better than plain text. Contexts
+longer than 512 tokens are not supported. Use it to test loading, sharding and numerical parity of
+tensor-parallel inference (its logits are those of a trained, non-degenerate network), not to generate
+code.
 
 ## Reproduce
 
