@@ -104,11 +104,14 @@ def test_config_checkpoint_shape_mismatch(broken):
 
 
 def test_unsupported_architecture_names_the_supported(tmp_path):
-    from transformers import OPTConfig, OPTForCausalLM
+    """OLMo-2 has no built-in plan and its q_norm spans all heads: inference refuses and lists the plans."""
+    from transformers import Olmo2Config, Olmo2ForCausalLM
 
-    save(OPTForCausalLM(OPTConfig(hidden_size=16, num_attention_heads=2, ffn_dim=32, num_hidden_layers=1,
-                                  vocab_size=50, word_embed_proj_dim=16)), tmp_path)
-    expect_error(tmp_path, "unsupported architecture 'opt': autotp has plans for gpt_bigcode")
+    save(Olmo2ForCausalLM(Olmo2Config(hidden_size=16, num_attention_heads=2, intermediate_size=32, num_hidden_layers=1,
+                                      vocab_size=50, pad_token_id=None, bos_token_id=None, eos_token_id=None)),
+         tmp_path)
+    expect_error(tmp_path, "no built-in plan for 'olmo2' and the inferred one is ambiguous: .*across heads"
+                           "(.|\n)*Built-in plans: falcon, gemma, gemma2, gpt2, gpt_bigcode")
 
 
 def test_unknown_dtype(checkpoint):

@@ -20,7 +20,7 @@ from autotp import distributed
 from autotp.errors import AutotpError
 from autotp.loader import Checkpoint
 from autotp.plans import Plan, plan_for
-from autotp.shard import parallelize, parameter_names
+from autotp.shard import parallelize
 from autotp.skeleton import skeleton
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -110,7 +110,7 @@ def from_pretrained(model: str | os.PathLike, dtype: str | torch.dtype | None = 
     ckpt = Checkpoint(model_dir)
     dtype = dtype or ckpt.floating_dtype() or torch.float32
     net = skeleton(config, dtype)
-    aliases = parameter_names(net)
+    aliases = plan.parameter_names(net)
     shapes = {first: tuple(net.get_parameter(first).shape) for first in aliases}
     keys = ckpt.validate(aliases, shapes, getattr(net, "_keys_to_ignore_on_load_unexpected", None) or [])
     first = {name: names[0] for names in aliases.values() for name in names}

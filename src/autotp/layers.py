@@ -47,15 +47,42 @@ class RowwiseLinear(nn.Linear):
         return f"{super().extra_repr()}, in_features_global={self.in_features_global}"
 
 
+class ColwiseConv1D(ColwiseLinear):
+    """ColwiseLinear whose weight keeps HF Conv1D's checkpoint layout: (in, out_per_rank) (GPT-2)."""
+
+    def __init__(self, in_features: int, out_per_rank: int, out_features_global: int, bias: bool, dtype):
+        super().__init__(in_features, out_per_rank, out_features_global, bias, dtype)
+        self.weight = nn.Parameter(torch.empty(in_features, out_per_rank, device="meta", dtype=dtype),
+                                   requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight.t(), self.bias)
+
+
+class RowwiseConv1D(RowwiseLinear):
+    """RowwiseLinear whose weight keeps HF Conv1D's checkpoint layout: (in_per_rank, out) (GPT-2)."""
+
+    def __init__(self, in_per_rank: int, out_features: int, in_features_global: int, bias: bool, dtype, group):
+        super().__init__(in_per_rank, out_features, in_features_global, bias, dtype, group)
+        self.weight = nn.Parameter(torch.empty(in_per_rank, out_features, device="meta", dtype=dtype),
+                                   requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = all_reduce_sum(F.linear(x, self.weight.t()), self.group)
+        return y if self.bias is None else y + self.bias
+
+
 class VocabParallelEmbedding(nn.Module):
     """Embedding whose rows [vocab_start, vocab_stop) live on this rank: weight (rows_per_rank, dim).
 
     Each rank looks up the ids it owns, writes zeros for the others, and the all-reduce fills them in.
+    `embed_scale` (a 0-d tensor, Gemma's scaled embedding) multiplies the gathered rows as HF does.
     """
 
     def __init__(self, num_embeddings_global: int, embedding_dim: int, vocab_start: int, vocab_stop: int,
-                 padding_idx: int | None, dtype, group):
+                 padding_idx: int | None, dtype, group, embed_scale: torch.Tensor | None = None):
         super().__init__()
+        self.embed_scale = embed_scale
         self.num_embeddings_global = num_embeddings_global
         self.embedding_dim = embedding_dim
         self.vocab_start, self.vocab_stop = vocab_start, vocab_stop
@@ -71,8 +98,8 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.vocab_start) | (ids >= self.vocab_stop)
         local = torch.where(outside, 0, ids - self.vocab_start)
-        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0)
-        return all_reduce_sum(out, self.group)
+        out = all_reduce_sum(F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0), self.group)
+        return out if self.embed_scale is None else out * self.embed_scale.to(self.weight.dtype)
 
     def extra_repr(self) -> str:
         return (f"rows {self.vocab_start}:{self.vocab_stop} of {self.num_embeddings_global}, "

@@ -31,7 +31,7 @@ def plan_report(model: str, tp: int, dtype: str | None = None) -> dict:
     aliases = parameter_names(net)
     if ckpt is not None:
         shapes = {first: tuple(net.get_parameter(first).shape) for first in aliases}
-        ckpt.validate(aliases, shapes, getattr(net, "_keys_to_ignore_on_load_unexpected", None) or [])
+        ckpt.validate(plan.parameter_names(net), shapes, getattr(net, "_keys_to_ignore_on_load_unexpected", None) or [])
     ranks = []
     for rank, shards in enumerate(rank_shards(net, plan, tp)):
         tensors = []

@@ -3,11 +3,13 @@
 Model-agnostic: what to swap comes from the plan, what tensor each parameter gets comes from a `load`
 callback (the sliced checkpoint reader, or slicing an already-loaded weight). The model's forward is
 never touched; only the attention modules' per-rank attributes named by the plan are set, and the
-config keeps the global sizes.
+model's config keeps the global sizes (attention modules whose forward reads sizes from the config get
+a per-rank copy of it).
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import torch
@@ -107,9 +109,14 @@ def parallelize(model: nn.Module, plan: Plan, rank: int, tp: int, group, load: L
             path, _, pname = name.rpartition(".")
             setattr(model.get_submodule(path), pname, per_rank(name, param))
 
+    rank_config = copy.copy(model.config)  # shallow: only the attention_config sizes differ from the model's
+    for attr, prop in plan.attention_config.items():
+        setattr(rank_config, attr, getattr(ctx.heads, prop))
     for path, module in model.named_modules():
         if plan.is_attention(path):
             for attr, prop in plan.attention_attrs.items():
                 if not hasattr(module, attr):
                     raise AutotpError(f"{plan.family} plan sets {path}.{attr}, which this transformers version lacks")
                 setattr(module, attr, getattr(ctx.heads, prop))
+            if plan.attention_config:
+                module.config = rank_config

@@ -5,7 +5,8 @@ A style names how one module is partitioned; `shards()` turns that into a `Tenso
 Styles know layouts (`[Q | K | V]` blocks, per-head interleaving) but no model: the plans in `plans/` say
 which module gets which style.
 
-`nn.Linear.weight` is `(out_features, in_features)`: colwise slices dim 0 (rows), rowwise slices dim 1.
+`nn.Linear.weight` is `(out_features, in_features)`: colwise slices dim 0 (rows), rowwise slices dim 1. HF's
+`Conv1D` (GPT-2) stores the transpose, `(in, out)`: the same styles slice the other dim for it.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from typing import Literal
 
 import torch
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
 from autotp import layers
+from autotp.errors import AutotpError
 from autotp.partition import HeadShard, even_split
 
 Range = tuple[int, int]
@@ -84,8 +87,20 @@ class RankContext:
     heads: HeadShard | None  # None for plans without attention heads to split
 
 
-def _linear_out_in(module: nn.Module) -> tuple[int, int]:
-    return module.out_features, module.in_features
+def _geometry(module: nn.Module) -> tuple[int, int, int]:
+    """(out_features, in_features, the weight dim that indexes outputs).
+
+    `nn.Linear.weight` is (out, in); HF's `Conv1D` (GPT-2) stores (in, out), so its outputs are dim 1.
+    Biases are (out,) either way.
+    """
+    if isinstance(module, Conv1D):
+        return module.nf, module.nx, 1
+    return module.out_features, module.in_features, 0
+
+
+def _local_out(module: nn.Module, shard: TensorShard) -> int:
+    out, inp, out_dim = _geometry(module)
+    return shard.local_shape((out, inp) if out_dim == 0 else (inp, out))[out_dim]
 
 
 @dataclass(frozen=True)
@@ -93,38 +108,47 @@ class Colwise:
     """Output features split across ranks; the output stays sharded (no communication).
 
     split: "even" for MLP-style dimensions, "q_heads"/"kv_heads" to follow the rank's attention heads.
+    blocks: with "even", the outputs are `blocks` equal fused blocks (Phi-3's gate_up_proj is
+    [gate (I) | up (I)], blocks=2), each split evenly; a rank keeps its piece of every block, in order,
+    so HF's `chunk(blocks, dim=-1)` of the per-rank output still yields [gate_local | up_local].
     """
 
     split: Literal["even", "q_heads", "kv_heads"] = "even"
+    blocks: int = 1
 
-    def out_range(self, out_features: int, ctx: RankContext) -> Range:
+    def out_ranges(self, out_features: int, ctx: RankContext) -> list[Range]:
         if self.split == "even":
-            return even_split(out_features, ctx.tp)[ctx.rank]
+            if out_features % self.blocks:
+                raise AutotpError(f"{out_features} output features do not form {self.blocks} equal fused blocks")
+            size = out_features // self.blocks
+            a, b = even_split(size, ctx.tp)[ctx.rank]
+            return [(k * size + a, k * size + b) for k in range(self.blocks)]
         h = ctx.heads
         if self.split == "q_heads":
-            return h.q_start * h.head_dim, h.q_stop * h.head_dim
-        return h.kv_start * h.head_dim, h.kv_stop * h.head_dim
+            return [(h.q_start * h.head_dim, h.q_stop * h.head_dim)]
+        return [(h.kv_start * h.head_dim, h.kv_stop * h.head_dim)]
 
     def shards(self, module: nn.Module, ctx: RankContext) -> dict[str, TensorShard]:
-        out, _ = _linear_out_in(module)
-        rows = TensorShard.along(0, [self.out_range(out, ctx)])
-        return {"weight": rows, "bias": rows}
+        out, _, out_dim = _geometry(module)
+        ranges = self.out_ranges(out, ctx)
+        return {"weight": TensorShard.along(out_dim, ranges), "bias": TensorShard.along(0, ranges)}
 
     def build(self, module: nn.Module, shards: dict[str, TensorShard], ctx: RankContext, group) -> nn.Module:
-        out, inp = _linear_out_in(module)
-        return layers.ColwiseLinear(inp, shards["weight"].local_shape((out, inp))[0], out, module.bias is not None,
-                                    module.weight.dtype)
+        out, inp, out_dim = _geometry(module)
+        cls = layers.ColwiseConv1D if out_dim else layers.ColwiseLinear
+        return cls(inp, _local_out(module, shards["weight"]), out, module.bias is not None, module.weight.dtype)
 
 
 @dataclass(frozen=True)
 class FusedQKV(Colwise):
     """A fused query/key/value projection; each rank keeps its query heads with the KV heads they use.
 
-    layout "blocks":   rows are [Q (heads*d) | K (kv_heads*d) | V (kv_heads*d)] (GPT-BigCode multi-query,
-                       Phi-3's qkv_proj). KV heads that several ranks need are read by each of them.
-    layout "grouped":  rows are (kv_heads, heads/kv_heads + 2, d): each KV group's query heads, then its
-                       K and V (GPT-BigCode multi_query=False and GPT-NeoX, where the group is 1 query
-                       head: (heads, 3, d)).
+    layout "blocks":   outputs are [Q (heads*d) | K (kv_heads*d) | V (kv_heads*d)] (GPT-BigCode multi-query,
+                       Phi-3's qkv_proj, GPT-2's c_attn with kv_heads == heads, Falcon multi_query).
+                       KV heads that several ranks need are read by each of them.
+    layout "grouped":  outputs are (kv_heads, heads/kv_heads + 2, d): each KV group's query heads, then its
+                       K and V (GPT-BigCode multi_query=False, Falcon's new_decoder_architecture, and
+                       GPT-NeoX / BLOOM, where the group is 1 query head: (heads, 3, d)).
     """
 
     layout: Literal["blocks", "grouped"] = "blocks"
@@ -147,9 +171,8 @@ class FusedQKV(Colwise):
             ranges += [(base + q0 * d, base + q1 * d), (base + group * d, base + (group + 2) * d)]
         return ranges
 
-    def shards(self, module: nn.Module, ctx: RankContext) -> dict[str, TensorShard]:
-        rows = TensorShard.along(0, self.row_ranges(ctx.heads))
-        return {"weight": rows, "bias": rows}
+    def out_ranges(self, out_features: int, ctx: RankContext) -> list[Range]:
+        return self.row_ranges(ctx.heads)
 
 
 @dataclass(frozen=True)
@@ -159,18 +182,19 @@ class Rowwise:
     split: Literal["even", "q_heads"] = "even"
 
     def shards(self, module: nn.Module, ctx: RankContext) -> dict[str, TensorShard]:
-        _, inp = _linear_out_in(module)
+        _, inp, out_dim = _geometry(module)
         if self.split == "even":
             cols = even_split(inp, ctx.tp)[ctx.rank]
         else:
             h = ctx.heads
             cols = (h.q_start * h.head_dim, h.q_stop * h.head_dim)
-        return {"weight": TensorShard.along(1, [cols]), "bias": REPLICATED}
+        return {"weight": TensorShard.along(1 - out_dim, [cols]), "bias": REPLICATED}
 
     def build(self, module: nn.Module, shards: dict[str, TensorShard], ctx: RankContext, group) -> nn.Module:
-        out, inp = _linear_out_in(module)
-        return layers.RowwiseLinear(shards["weight"].local_shape((out, inp))[1], out, inp, module.bias is not None,
-                                    module.weight.dtype, group)
+        out, inp, out_dim = _geometry(module)
+        (a, b), = shards["weight"].ranges
+        cls = layers.RowwiseConv1D if out_dim else layers.RowwiseLinear
+        return cls(b - a, out, inp, module.bias is not None, module.weight.dtype, group)
 
 
 @dataclass(frozen=True)
@@ -181,9 +205,14 @@ class Vocab:
         return {"weight": TensorShard.along(0, [even_split(module.num_embeddings, ctx.tp)[ctx.rank]])}
 
     def build(self, module: nn.Module, shards: dict[str, TensorShard], ctx: RankContext, group) -> nn.Module:
+        # An embedding subclass with its own forward would lose it; the one such forward known is a scale.
+        scale = getattr(module, "embed_scale", None)
+        if type(module).forward is not nn.Embedding.forward and not isinstance(scale, torch.Tensor):
+            raise AutotpError(f"{type(module).__name__} changes nn.Embedding's forward: the vocab style cannot "
+                              "shard it")
         (start, stop), = shards["weight"].ranges
         return layers.VocabParallelEmbedding(module.num_embeddings, module.embedding_dim, start, stop,
-                                             module.padding_idx, module.weight.dtype, group)
+                                             module.padding_idx, module.weight.dtype, group, scale)
 
 
 @dataclass(frozen=True)
@@ -195,7 +224,7 @@ class VocabHead:
         return {"weight": rows, "bias": rows}
 
     def build(self, module: nn.Module, shards: dict[str, TensorShard], ctx: RankContext, group) -> nn.Module:
-        out, inp = _linear_out_in(module)
+        out, inp, _ = _geometry(module)
         sizes = [b - a for a, b in even_split(out, ctx.tp)]
         return layers.VocabParallelLMHead(inp, sizes, module.bias is not None, module.weight.dtype, group, ctx.rank)
 

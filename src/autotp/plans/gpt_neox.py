@@ -1,0 +1,50 @@
+"""GPT-NeoX (Pythia) and GPT-J: multi-head attention whose forward infers the head count from the shapes.
+
+GPT-NeoX: query_key_value.weight (3*hidden, hidden) is per-head interleaved, (heads, 3, d); the forward
+views it as (-1, 3*head_size) and chunks, so no per-rank attribute is needed. GPT-J: separate q/k/v_proj
+and out_proj, viewed with -1 heads; its lm_head has a bias, split with the vocabulary rows.
+"""
+
+from autotp.plans import Plan
+from autotp.styles import Colwise, FusedQKV, Rowwise, Vocab, VocabHead
+
+
+def plan(config) -> Plan:
+    heads = config.num_attention_heads
+    return Plan(
+        family="gpt_neox",
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=config.hidden_size // heads,
+        layers={
+            "gpt_neox.embed_in": Vocab(),
+            "gpt_neox.layers.*.attention.query_key_value": FusedQKV(layout="grouped"),
+            "gpt_neox.layers.*.attention.dense": Rowwise(split="q_heads"),
+            "gpt_neox.layers.*.mlp.dense_h_to_4h": Colwise(),
+            "gpt_neox.layers.*.mlp.dense_4h_to_h": Rowwise(),
+            "lm_head": VocabHead(),
+        },
+        attention="gpt_neox.layers.*.attention",
+        checkpoint_names={"lm_head.weight": "embed_out.weight"},
+    )
+
+
+def gptj_plan(config) -> Plan:
+    heads = config.n_head
+    return Plan(
+        family="gptj",
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=config.n_embd // heads,
+        layers={
+            "transformer.wte": Vocab(),
+            "transformer.h.*.attn.q_proj": Colwise(split="q_heads"),
+            "transformer.h.*.attn.k_proj": Colwise(split="kv_heads"),
+            "transformer.h.*.attn.v_proj": Colwise(split="kv_heads"),
+            "transformer.h.*.attn.out_proj": Rowwise(split="q_heads"),
+            "transformer.h.*.mlp.fc_in": Colwise(),
+            "transformer.h.*.mlp.fc_out": Rowwise(),
+            "lm_head": VocabHead(),
+        },
+        attention="transformer.h.*.attn",
+    )

@@ -1,0 +1,31 @@
+"""OPT: separate q/k/v_proj and out_proj, fc1 -> fc2, learned positions (replicated).
+
+OPTAttention views its projections with `self.num_heads` (per rank). project_in/project_out (when
+word_embed_proj_dim != hidden_size) are small and replicated; lm_head is tied to embed_tokens.
+"""
+
+from autotp.plans import Plan
+from autotp.styles import Colwise, Rowwise, Vocab, VocabHead
+
+
+def plan(config) -> Plan:
+    heads = config.num_attention_heads
+    layer = "model.decoder.layers.*"
+    return Plan(
+        family="opt",
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=config.hidden_size // heads,
+        layers={
+            "model.decoder.embed_tokens": Vocab(),
+            f"{layer}.self_attn.q_proj": Colwise(split="q_heads"),
+            f"{layer}.self_attn.k_proj": Colwise(split="kv_heads"),
+            f"{layer}.self_attn.v_proj": Colwise(split="kv_heads"),
+            f"{layer}.self_attn.out_proj": Rowwise(split="q_heads"),
+            f"{layer}.fc1": Colwise(),
+            f"{layer}.fc2": Rowwise(),
+            "lm_head": VocabHead(),
+        },
+        attention=f"{layer}.self_attn",
+        attention_attrs={"num_heads": "q_heads"},
+    )

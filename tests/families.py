@@ -1,0 +1,87 @@
+"""Tiny random checkpoints of every family with a plan, and what each rank computes on them.
+
+Each config is 2 layers of hidden 32-64 with vocab 101 (a prime: every vocab split is uneven). Head
+counts are chosen so that tp 2, 3, 4 include an uneven head split per family and, for grouped-query
+families, tp > kv_heads (KV heads replicated). Weights are drawn wide, like checkpoints.build, so greedy
+output depends on every weight.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import autotp
+
+COMMON = dict(num_hidden_layers=2, vocab_size=101, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+              max_position_embeddings=64, tie_word_embeddings=False)
+LLAMA_LIKE = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, intermediate_size=90)
+
+# name -> (model_type, config overrides). The name is the family, or family_variant for a second layout.
+FAMILIES = {
+    "llama": ("llama", LLAMA_LIKE | dict(attention_bias=True)),  # 8 q / 2 kv: tp 3 and 4 replicate KV heads
+    "mistral": ("mistral", dict(hidden_size=48, num_attention_heads=6, num_key_value_heads=2, intermediate_size=90,
+                                sliding_window=4)),
+    "qwen2": ("qwen2", dict(hidden_size=48, num_attention_heads=6, num_key_value_heads=6, intermediate_size=90)),
+    "qwen3": ("qwen3", dict(hidden_size=32, num_attention_heads=8, num_key_value_heads=4, head_dim=8,
+                            intermediate_size=90)),  # heads*head_dim 64 != hidden 32
+    "gemma": ("gemma", dict(hidden_size=48, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+                            intermediate_size=90, tie_word_embeddings=True)),  # multi-query, tied lm_head
+    "gemma2": ("gemma2", dict(hidden_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                              intermediate_size=90, sliding_window=4)),  # tied, greedy output is constant
+    "olmo": ("olmo", dict(hidden_size=40, num_attention_heads=5, num_key_value_heads=5, intermediate_size=90,
+                          clip_qkv=3.0)),  # 5 heads: every tp is uneven
+    "starcoder2": ("starcoder2", dict(hidden_size=48, num_attention_heads=6, num_key_value_heads=2,
+                                      intermediate_size=90, use_bias=True)),
+    "phi3": ("phi3", LLAMA_LIKE),
+    "gpt2": ("gpt2", dict(n_embd=48, n_head=6, n_inner=90, n_positions=64)),
+    "gpt_neox": ("gpt_neox", dict(hidden_size=40, num_attention_heads=5, intermediate_size=70)),
+    "gptj": ("gptj", dict(n_embd=48, n_head=6, n_inner=90, rotary_dim=4, n_positions=64)),
+    "falcon_mq": ("falcon", dict(hidden_size=48, num_attention_heads=6, multi_query=True, bias=True)),
+    "falcon_gqa": ("falcon", dict(hidden_size=64, num_attention_heads=8, num_kv_heads=2,
+                                  new_decoder_architecture=True)),
+    "falcon_mha": ("falcon", dict(hidden_size=40, num_attention_heads=5, multi_query=False, parallel_attn=False)),
+    "opt": ("opt", dict(hidden_size=48, num_attention_heads=6, ffn_dim=90, word_embed_proj_dim=48)),
+    # no built-in plan: plan_for infers one from the module tree
+    "granite": ("granite", LLAMA_LIKE | dict(num_key_value_heads=4)),
+}
+PROMPT = [[3, 17, 42, 8, 99, 51, 23]]
+NEW_TOKENS = 16
+
+
+def config(name: str):
+    model_type, overrides = FAMILIES[name]
+    return AutoConfig.for_model(model_type, **(COMMON | overrides))
+
+
+def build(name: str):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config(name), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname or ".ln" in pname or "layernorm" in pname:
+                p.copy_(1 + 0.1 * torch.randn_like(p) if pname.endswith("weight") else 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0, 0.3)
+    return model
+
+
+def reference(model) -> dict:
+    from autotp.generate import generate
+
+    ids = torch.tensor(PROMPT)
+    with torch.no_grad():
+        logits = model(ids).logits
+    return {"logits": logits, "greedy": generate(model, ids, max_new_tokens=NEW_TOKENS).tolist()}
+
+
+def rank_outputs(model_dir: str) -> dict:
+    """What one rank computes: its loaded tensors, the prompt's logits, the greedy continuation."""
+    from autotp.generate import generate
+
+    model = autotp.from_pretrained(model_dir)
+    ids = torch.tensor(PROMPT)
+    with torch.no_grad():
+        logits = model(ids).logits
+    return {"info": model.autotp, "state": {k: v.clone() for k, v in model.state_dict().items()},
+            "logits": logits, "greedy": generate(model, ids, max_new_tokens=NEW_TOKENS).tolist()}
