@@ -61,7 +61,8 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int, do_sample: 
     check_length(model.config, input_ids.shape[-1], max_new_tokens)
     torch.manual_seed(shared_seed(seed))
     rank = dist.get_rank() if dist.is_initialized() else 0
-    streamer = TextStreamer(tokenizer, skip_prompt=True) if stream and tokenizer is not None and rank == 0 else None
+    streamer = (TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+                if stream and tokenizer is not None and rank == 0 else None)
     kwargs = dict(do_sample=do_sample, num_beams=num_beams, max_new_tokens=max_new_tokens, streamer=streamer)
     if do_sample:
         kwargs.update(temperature=temperature, top_p=top_p, top_k=top_k)
