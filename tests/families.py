@@ -45,6 +45,7 @@ FAMILIES = {
     # no built-in plan: plan_for infers one from the module tree
     "granite": ("granite", LLAMA_LIKE | dict(num_key_value_heads=4)),
 }
+GLOBAL_SIZES = ("num_attention_heads", "num_key_value_heads", "num_kv_heads", "n_head", "hidden_size", "n_embd")
 PROMPT = [[3, 17, 42, 8, 99, 51, 23]]
 NEW_TOKENS = 16
 
@@ -83,5 +84,6 @@ def rank_outputs(model_dir: str) -> dict:
     ids = torch.tensor(PROMPT)
     with torch.no_grad():
         logits = model(ids).logits
-    return {"info": model.autotp, "state": {k: v.clone() for k, v in model.state_dict().items()},
+    sizes = {k: v for k, v in model.config.to_dict().items() if k in GLOBAL_SIZES}
+    return {"info": model.autotp, "state": {k: v.clone() for k, v in model.state_dict().items()}, "sizes": sizes,
             "logits": logits, "greedy": generate(model, ids, max_new_tokens=NEW_TOKENS).tolist()}

@@ -2,11 +2,14 @@
 
 import pytest
 import torch
-from families import FAMILIES, build, config, rank_outputs, reference
+from families import FAMILIES, GLOBAL_SIZES, build, config, rank_outputs, reference
 from safetensors.torch import load_file
 from test_parity import LOGIT_ATOL
 
-from autotp.plans import plan_for
+from autotp.errors import AutotpError
+from autotp.plans import builtin_plans, plan_for
+from autotp.plans.infer import infer_plan
+from autotp.report import plan_report
 from autotp.shard import rank_shards
 from autotp.skeleton import skeleton
 
@@ -48,4 +51,58 @@ def test_family_parity(pools, family_checkpoint, name, tp):
         diff = (rank["logits"] - ref["logits"]).abs().max().item()
         assert diff <= atol, f"rank {r}: max |logit diff| {diff} > {atol}"
         assert rank["greedy"] == ref["greedy"], f"rank {r}"
+        assert rank["sizes"] == {k: v for k, v in cfg.to_dict().items() if k in GLOBAL_SIZES}, "config was changed"
     assert len(set(ref["greedy"][0][len(ref["greedy"][0]) - 16:])) > 3, "degenerate reference output proves nothing"
+
+
+def test_plan_from_config_alone_for_every_family(tmp_path):
+    """`autotp plan` needs only config.json: every family, including the inferred one, at tp 4."""
+    for name in FAMILIES:
+        config(name).save_pretrained(tmp_path / name)
+        report = plan_report(str(tmp_path / name), 4)
+        assert report["plan_source"] == ("inferred" if name == "granite" else "built-in"), name
+        assert not report["checkpoint_headers"] and len(report["ranks"]) == 4
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3", "gemma", "olmo", "starcoder2", "opt"])
+def test_inferred_plan_matches_the_built_in_one(name):
+    """Where a family's layout is unambiguous, inference from the module tree finds the hand-written plan."""
+    cfg = config(name)
+    inferred, built_in = infer_plan(cfg), builtin_plans()[cfg.model_type](cfg)
+    assert inferred.source == "inferred" and built_in.source == "built-in"
+    assert inferred.layers == built_in.layers and inferred.attention == built_in.attention
+    assert set(built_in.attention_attrs.items()) <= set(inferred.attention_attrs.items())
+
+
+@pytest.mark.parametrize("name, reason", [
+    ("phi3", "qkv_proj .* is not the .* output.*reads head counts from the config"),
+    ("gpt2", "c_attn .* is neither a query .* fused projections need a built-in plan"),
+    ("falcon_mq", "ALiBi biases built for all 6 heads"),
+])
+def test_ambiguous_inference_is_refused_with_the_inferred_plan(name, reason):
+    with pytest.raises(AutotpError, match=reason) as e:
+        infer_plan(config(name), supported=["llama"])
+    assert "Inferred (" in str(e.value) and "write src/autotp/plans/<family>.py" in str(e.value)
+
+
+@pytest.mark.parametrize("name, tp, message", [
+    ("gemma", 5, "tp_size 5 exceeds the 4 query heads: at most 4 ranks can hold a head"),
+    ("qwen2", 7, "tp_size 7 exceeds the 6 query heads"),
+])
+def test_tp_beyond_the_heads_names_both_numbers(name, tp, message):
+    with pytest.raises(AutotpError, match=message):
+        plan_for(config(name)).heads(tp)
+
+
+def test_query_heads_not_grouping_over_kv_heads_is_an_error():
+    cfg = config("llama")
+    cfg.num_key_value_heads = 3
+    with pytest.raises(AutotpError, match="8 query heads cannot be grouped over 3 KV heads"):
+        plan_for(cfg).heads(2)
+
+
+def test_falcon_alibi_is_refused():
+    cfg = config("falcon_mha")
+    cfg.alibi = True
+    with pytest.raises(AutotpError, match="alibi=True is not supported: the ALiBi bias is built for all 5 heads"):
+        plan_for(cfg)

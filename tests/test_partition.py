@@ -4,10 +4,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import nn
+from transformers.pytorch_utils import Conv1D
 
 from autotp.errors import AutotpError
 from autotp.partition import assign_heads, even_split
-from autotp.styles import FusedQKV, TensorShard
+from autotp.styles import Colwise, FusedQKV, RankContext, Rowwise, TensorShard
 
 
 def test_even_split_matches_the_documented_example():
@@ -89,3 +91,33 @@ def test_every_row_of_a_fused_qkv_is_owned_or_declared_replicated(kv, group, hea
             assert h not in q_owner
             q_owner[h] = rank
     assert sorted(q_owner) == list(range(heads))
+
+
+@settings(max_examples=200, deadline=None)
+@given(size=st.integers(1, 30), blocks=st.integers(1, 3), inp=st.integers(1, 9), tp=st.integers(1, 9),
+       conv=st.booleans())
+def test_colwise_blocks_and_rowwise_concatenate_back_for_linear_and_conv1d(size, blocks, inp, tp, conv):
+    """Fused [gate | up] blocks: each rank holds the same piece of every block, and the pieces of each block
+    concatenate back to it; rowwise pieces concatenate back along the inputs. nn.Linear.weight is (out, in),
+    HF Conv1D's (in, out): the same style slices the other dim, and the same elements."""
+    if tp > min(size, inp):
+        return  # rank_shards refuses empty slices; tested with the families
+    out = size * blocks
+    module = Conv1D(out, inp) if conv else nn.Linear(inp, out, device="meta")
+    out_dim = 1 if conv else 0
+    w = torch.arange(out * inp).reshape((inp, out) if conv else (out, inp))
+    ctxs = [RankContext(r, tp, None) for r in range(tp)]
+    cols = [Colwise(blocks=blocks).shards(module, c) for c in ctxs]
+    taken = [s["weight"].take(w) for s in cols]
+    assert all(s["bias"].dim == 0 and s["bias"].ranges == s["weight"].ranges for s in cols)
+    for k in range(blocks):
+        pieces = [t.narrow(out_dim, k * (t.shape[out_dim] // blocks), t.shape[out_dim] // blocks) for t in taken]
+        assert torch.equal(torch.cat(pieces, out_dim), w.narrow(out_dim, k * size, size))
+    rows = [Rowwise().shards(module, c) for c in ctxs]
+    assert torch.equal(torch.cat([s["weight"].take(w) for s in rows], 1 - out_dim), w)
+    assert all(s["bias"].replicated for s in rows)
+    if conv:  # a Conv1D's shard is the transpose of the equal nn.Linear's
+        linear = nn.Linear(inp, out, device="meta")
+        for c, s in zip(ctxs, cols, strict=True):
+            assert Colwise(blocks=blocks).shards(linear, c)["weight"].ranges == s["weight"].ranges
+            assert torch.equal(s["weight"].take(w), Colwise(blocks=blocks).shards(linear, c)["weight"].take(w.T).T)
