@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -98,7 +99,15 @@ def run(system: str, ckpt: Path, dtype: str, tp: int, args) -> tuple[dict, dict 
         cmd = [PYTHONS[system], "-m", "torch.distributed.run", "--nproc-per-node", str(tp),
                "--master-port", str(free_port()), str(HERE / "compare_worker.py"), system, str(ckpt), dtype,
                str(args.runs), str(args.new_tokens)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+        # Own session, so that a timeout can kill torchrun's workers too (they would outlive a killed torchrun).
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                start_new_session=True)
+        try:
+            _, stderr = proc.communicate(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            _, stderr = proc.communicate()
+            stderr += f"\ntimed out after {args.timeout} s"
         ranks = [json.loads(p.read_text()) for r in range(tp) if (p := Path(out, f"rank{r}.json")).exists()]
         output = torch.load(Path(out, "output.pt")) if Path(out, "output.pt").exists() else None
     row = {"system": system, "tp": tp, "threads_per_rank": threads, "ranks": ranks}
@@ -106,7 +115,7 @@ def run(system: str, ckpt: Path, dtype: str, tp: int, args) -> tuple[dict, dict 
     if errors:
         row["error"] = errors[0]
     elif proc.returncode or len(ranks) != tp or output is None:
-        row["error"] = f"exit {proc.returncode}: " + (proc.stderr.strip().splitlines() or ["(no stderr)"])[-1][-400:]
+        row["error"] = f"exit {proc.returncode}: " + (stderr.strip().splitlines() or ["(no stderr)"])[-1][-400:]
     return row, output
 
 

@@ -1,0 +1,103 @@
+"""Decode ms/token on one GPU: plain HF vs autotp tp 1, a StarCoder-15.5B-shaped random bf16 model.
+
+    python benchmarks/gpu_decode.py [--batch 1 16] [--new-tokens 32] [--runs 5]
+
+The model is built on the GPU from its config with random weights (no checkpoint files, ~31 GB of HBM),
+timed as plain HF, then sharded in place by `autotp.init_inference` (tp 1: the same weights, autotp's
+layers) and timed again. Beside each number is the HBM floor: weight bytes / the device-to-device copy
+bandwidth measured here, the time one decode step needs just to read every weight once. Writes
+benchmarks/results/gpu_decode.json. One prepared run of a few minutes; fails at once without CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).parent
+# bigcode/starcoder: 40 layers, 48 query heads, multi-query, n_embd 6144, 4x MLP, vocab 49152.
+STARCODER_15B = dict(n_embd=6144, n_head=48, n_layer=40, n_inner=24576, vocab_size=49152, n_positions=8192,
+                     multi_query=True, activation_function="gelu_pytorch_tanh", bos_token_id=0, eos_token_id=0)
+
+
+def copy_bandwidth_gbs(mib: int = 2048, reps: int = 20) -> float:
+    """Device-to-device copy bandwidth in GB/s; a copy reads and writes each byte, so 2 x size moves."""
+    src = torch.empty(mib * 2**20, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    seconds = (time.perf_counter() - start) / reps
+    del src, dst
+    return 2 * mib * 2**20 / seconds / 1e9
+
+
+def decode_ms(model, batch: int, prompt_len: int, new_tokens: int, runs: int) -> float:
+    """Median over `runs` (after one warm-up) of ms per single-token decode step on a KV cache, greedy."""
+    prompt = torch.randint(0, 1000, (batch, prompt_len), device="cuda")
+    times = []
+    for i in range(runs + 1):
+        with torch.no_grad():
+            out = model(prompt, use_cache=True)
+            token = out.logits[:, -1:].argmax(-1)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(new_tokens):
+                out = model(token, past_key_values=out.past_key_values, use_cache=True)
+                token = out.logits[:, -1:].argmax(-1)
+            torch.cuda.synchronize()
+        if i:  # the first run is the warm-up (cuBLAS heuristics, allocator growth)
+            times.append((time.perf_counter() - start) * 1e3 / new_tokens)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--runs", type=int, default=5)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("gpu_decode.py needs a CUDA GPU and torch sees none (torch.cuda.is_available() is False); "
+                 "the CPU comparison is benchmarks/compare.py")
+    os.environ.setdefault("WORLD_SIZE", "1")  # one process, no launcher: autotp treats it as tp 1
+    from common import write_json
+    from transformers import GPTBigCodeConfig, GPTBigCodeForCausalLM
+
+    import autotp
+
+    torch.manual_seed(0)
+    config = GPTBigCodeConfig(**STARCODER_15B)
+    with torch.device("cuda"):  # built on the GPU directly: no 31 GB host copy, no checkpoint files
+        model = GPTBigCodeForCausalLM._from_config(config, dtype=torch.bfloat16).eval()
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    bandwidth = copy_bandwidth_gbs()
+    floor_ms = weight_bytes / (bandwidth * 1e9) * 1e3
+    rows = []
+    for system in ("hf", "autotp"):
+        if system == "autotp":
+            model = autotp.init_inference(model, mp_size=1, dtype=torch.bfloat16, device="cuda").module
+        for batch in args.batch:
+            ms = decode_ms(model, batch, args.prompt_len, args.new_tokens, args.runs)
+            rows.append({"system": system, "tp": 1, "batch": batch, "decode_ms_per_token": round(ms, 2),
+                         "hbm_floor_ms": round(floor_ms, 2), "x_floor": round(ms / floor_ms, 2)})
+            print(f"{system:>6} batch {batch:>3}: {ms:7.2f} ms/token  (HBM floor {floor_ms:.2f} ms, "
+                  f"{ms / floor_ms:.2f}x)", flush=True)
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "weights_gib": round(weight_bytes / 2**30, 2), "copy_bandwidth_gbs": round(bandwidth, 1),
+              "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "runs": args.runs, "rows": rows}
+    write_json(HERE / "results" / "gpu_decode.json", result)
+
+
+if __name__ == "__main__":
+    main()
