@@ -22,6 +22,7 @@ CHARTS = HERE / "charts"
 ORDER = ["hf", "autotp", "deepspeed", "hf-tp-plan", "hf-tp-auto"]
 LABELS = {"hf": "plain HF (1 process)", "autotp": "autotp", "deepspeed": "DeepSpeed 0.19.8 AutoTP",
           "hf-tp-plan": "HF TP, MLP-only plan", "hf-tp-auto": 'HF TP, tp_plan="auto"'}
+MARKERS = {"hf": "s", "autotp": "o", "deepspeed": "^", "hf-tp-plan": "D", "hf-tp-auto": "x"}  # tp 1 points overlap
 
 
 def per_rank(row: dict, key: str, fmt: str = "{:.0f}") -> str:
@@ -138,7 +139,8 @@ def charts(data: dict) -> list[str]:
                           if r["system"] == system and "ranks" in r and r["ranks"]
                           and "decode_ms_per_token" in r["ranks"][0]]
                 if points:
-                    ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=LABELS[system])
+                    ax.plot([p[0] for p in points], [p[1] for p in points], marker=MARKERS[system], markersize=8,
+                            fillstyle="none", label=LABELS[system])
             ax.set(title=f"starcoderbase-1b shape, {ckpt[3:]}", xlabel="tp (ranks)", ylabel=ylabel, xticks=[1, 2, 4])
             ax.set_ylim(bottom=0)
             ax.grid(alpha=0.3)
