@@ -1,5 +1,3 @@
-import sys
+from autotp.cli import entry
 
-from autotp.cli import main
-
-sys.exit(main())
+entry()
