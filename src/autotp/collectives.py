@@ -13,6 +13,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+# torch 2.13 renamed all_gather_into_tensor (and warns on the old name); older releases lack the new one.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 def group_size(group: dist.ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
@@ -45,5 +48,5 @@ def all_gather_last_dim(x: torch.Tensor, sizes: list[int], group: dist.ProcessGr
         gathered = funcol.wait_tensor(funcol.all_gather_single(x, 0, group))
     else:
         gathered = x.new_empty((len(sizes), *x.shape[1:]))
-        dist.all_gather_into_tensor(gathered, x, group=group)
+        _all_gather_single(gathered, x, group=group)
     return torch.cat([gathered[r, ..., :n] for r, n in enumerate(sizes)], dim=-1)
