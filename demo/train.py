@@ -27,9 +27,21 @@ drives the cosine learning rate and the switch to 512-token windows, and trainin
 step's sequence length and learning rate go to demo/loss_curve.csv; `--replay demo/loss_curve.csv` repeats
 exactly those steps (same seed -> same data order, FIM cuts, initialization), whatever the machine's speed.
 
-    python demo/train.py                       # the shipped model (~30 min on 2 CPU cores)
+    python demo/train.py                       # phase 1 of the shipped model (~30 min on 2 CPU cores)
     python demo/train.py --max-files 60 --budget-minutes 1.5 --out demo/.work/smoke/model \
         --log-dir demo/.work/smoke             # end-to-end smoke test
+
+Continued training (`--init-from DIR`): start from a saved model instead of a random one, reuse its tokenizer
+(no tokenizer training: the vocabulary and special-token ids stay), and run a schedule of its own -- fresh
+AdamW state, warmup to `--lr` (give it a lower peak than phase 1), cosine decay over this run's budget.  The
+training files are shuffled with `--seed` + phase - 1, so phase 2 does not replay phase 1's file order; the
+held-out windows and their FIM cuts still use `--seed`, so every phase is evaluated on identical inputs.  The
+loaded model is evaluated first, the steps go to loss_curve_continued.csv (replayable with `--replay` like
+phase 1's), and `--init-log-dir` (the earlier run's loss_curve.csv + metrics.json) feeds the combined chart,
+metrics.json and model card.
+
+    nice -n 19 python demo/train.py --init-from src/autotp/demo_model --lr 1e-3 --budget-minutes 65 \
+        --reserve-seconds 300 --out demo/.work/continued/model --log-dir demo/.work/continued   # phase 2
 """
 
 from __future__ import annotations
@@ -82,6 +94,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--budget-minutes", type=float, default=32.0, help="wall-clock budget of the whole run")
     p.add_argument("--replay", type=Path, default=None, help="repeat the steps of a loss_curve.csv exactly")
+    p.add_argument("--init-from", type=Path, default=None, help="continue training this model (and its tokenizer)")
+    p.add_argument(
+        "--init-log-dir", type=Path, default=REPO / "demo", help="loss_curve.csv + metrics.json of --init-from's run"
+    )
+    p.add_argument("--reserve-seconds", type=float, default=150, help="budget kept for the final report")
     p.add_argument("--max-files", type=int, default=None, help="use only the first N files (smoke tests)")
     p.add_argument("--site-packages", action="store_true", help="also train on site-packages sources")
     p.add_argument("--heldout-percent", type=int, default=5)
@@ -373,6 +390,25 @@ def evaluate(model, windows, fim: FimPermuter, fim_rate: float, seed: int, batch
     return out
 
 
+def heldout_report(model, windows, fim: FimPermuter, seed: int) -> dict:
+    """The held-out numbers of metrics.json and the model card: plain and FIM loss on the 512-token windows."""
+    plain = evaluate(model, windows, fim, 0.0, seed)
+    fimd = evaluate(model, windows, fim, 1.0, seed)
+    eval_bytes = sum(len(fim.table[t]) for w in windows for t in w)
+    eval_tokens = sum(len(w) for w in windows)
+    return {
+        "heldout_plain_loss": plain["loss"],
+        "heldout_plain_ppl": math.exp(plain["loss"]),
+        "heldout_plain_bits_per_byte": plain["loss"] / math.log(2) * eval_tokens / eval_bytes,
+        "heldout_fim_loss": fimd["loss"],
+        "heldout_fim_ppl": math.exp(fimd["loss"]),
+        "heldout_fim_middle_loss": fimd["middle_loss"],
+        "heldout_fim_middle_ppl": math.exp(fimd["middle_loss"]),
+        "heldout_eval_windows": len(windows),
+        "heldout_eval_tokens": plain["tokens"],
+    }
+
+
 @torch.no_grad()
 def samples(model, hf_tok) -> dict[str, str]:
     """The two examples in the model card: greedy left-to-right completion and greedy infilling."""
@@ -404,6 +440,27 @@ def lr_at(step: int, progress: float, args) -> float:
     return args.lr * min(1.0, (step + 1) / args.warmup_steps) * (args.min_lr_ratio + (1 - args.min_lr_ratio) * cosine)
 
 
+def new_config(vocab: int, hf_tok, args):
+    from transformers import GPTBigCodeConfig
+
+    return GPTBigCodeConfig(
+        vocab_size=vocab,
+        n_positions=args.long_len,  # 512
+        n_embd=args.n_embd,
+        n_layer=args.n_layer,
+        n_head=12,  # fixed: tp 1, 2, 3, 4, 6 divide 12, tp 5 does not
+        n_inner=4 * args.n_embd,
+        multi_query=True,  # StarCoder: one shared K/V head
+        activation_function="gelu_pytorch_tanh",
+        resid_pdrop=0.0,  # < 2 epochs of data: dropout only slows learning down
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=hf_tok.convert_tokens_to_ids(EOT),
+        eos_token_id=hf_tok.convert_tokens_to_ids(EOT),
+        tie_word_embeddings=True,
+    )
+
+
 def seq_len_at(progress: float, args) -> int:
     return args.long_len if progress >= 1 - args.long_fraction else args.short_len
 
@@ -423,11 +480,16 @@ def main() -> None:
     for d in (args.out, args.log_dir, args.work):
         d.mkdir(parents=True, exist_ok=True)
     if args.report_only:
-        with open(args.log_dir / "loss_curve.csv", newline="") as f:
-            plot_curve(list(csv.DictReader(f)), args.out / "loss.png", args)
         summary = json.loads((args.log_dir / "metrics.json").read_text())
-        (args.out / "README.md").write_text(model_card(summary, args))
+        names = ["loss_curve.csv", "loss_curve_continued.csv"][: 1 + len(summary.get("previous_phases", []))]
+        plot_curve([read_curve(args.log_dir / n) for n in names], args.out / "loss.png", args)
+        (args.out / "README.md").write_text(model_card(summary))
         return
+    previous: list[dict] = []  # metrics.json of the earlier phases, when continuing
+    if args.init_from:
+        prev = json.loads((args.init_log_dir / "metrics.json").read_text())
+        previous = [*prev.pop("previous_phases", []), prev]
+    phase = len(previous) + 1
 
     # --- corpus ------------------------------------------------------------------------------------------
     docs = collect_sources(args.site_packages)[: args.max_files]
@@ -444,17 +506,23 @@ def main() -> None:
     for d in docs:
         key.update(d.name.encode() + b"\0" + hashlib.sha256(d.text.encode()).digest())
     key.update(f"{args.vocab_size}/{args.heldout_percent}".encode())
+    if args.init_from:  # the corpus tokenized with the loaded model's tokenizer
+        key.update((args.init_from / "tokenizer.json").read_bytes())
     cache = args.work / f"cache-{key.hexdigest()[:16]}"
     from tokenizers import Tokenizer
 
+    if args.init_from:
+        tok = Tokenizer.from_file(str(args.init_from / "tokenizer.json"))
+        log(f"reusing the tokenizer of {args.init_from}")
     if (cache / "corpus.pt").exists():
         tok = Tokenizer.from_file(str(cache / "tokenizer.json"))
         corpus = torch.load(cache / "corpus.pt")
         log(f"loaded tokenizer + tokenized corpus from {cache}")
     else:
-        t0 = time.time()
-        tok = train_tokenizer([d.text for d in train_docs], args.vocab_size)  # held-out files never seen
-        log(f"tokenizer trained in {time.time() - t0:.0f}s")
+        if not args.init_from:
+            t0 = time.time()
+            tok = train_tokenizer([d.text for d in train_docs], args.vocab_size)  # held-out files never seen
+            log(f"tokenizer trained in {time.time() - t0:.0f}s")
         corpus = {
             split: [e.ids for e in tok.encode_batch([d.text for d in ds])]
             for split, ds in (("train", train_docs), ("held", held_docs))
@@ -473,7 +541,7 @@ def main() -> None:
     hf_tok = to_hf_tokenizer(tok)
     hf_tok.save_pretrained(args.out)
     # the shipped tokenizer, reloaded the way users load it, must reproduce every held-out file byte for byte
-    from transformers import AutoTokenizer, GPTBigCodeConfig, GPTBigCodeForCausalLM
+    from transformers import AutoTokenizer, GPTBigCodeForCausalLM
 
     shipped_tok = AutoTokenizer.from_pretrained(args.out)
     bad = [d.name for d in held_docs if shipped_tok.decode(shipped_tok(d.text).input_ids) != d.text]
@@ -482,23 +550,12 @@ def main() -> None:
     log(f"tokenizer round-trips all {len(held_docs)} held-out files exactly")
 
     # --- model -------------------------------------------------------------------------------------------
-    config = GPTBigCodeConfig(
-        vocab_size=vocab,
-        n_positions=args.long_len,  # 512
-        n_embd=args.n_embd,
-        n_layer=args.n_layer,
-        n_head=12,  # fixed: tp 1, 2, 3, 4, 6 divide 12, tp 5 does not
-        n_inner=4 * args.n_embd,
-        multi_query=True,  # StarCoder: one shared K/V head
-        activation_function="gelu_pytorch_tanh",
-        resid_pdrop=0.0,  # < 2 epochs of data: dropout only slows learning down
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=hf_tok.convert_tokens_to_ids(EOT),
-        eos_token_id=hf_tok.convert_tokens_to_ids(EOT),
-        tie_word_embeddings=True,
-    )
-    model = GPTBigCodeForCausalLM(config).float()
+    if args.init_from:
+        model = GPTBigCodeForCausalLM.from_pretrained(args.init_from, dtype=torch.float32)
+        c = model.config
+        assert (c.vocab_size, c.n_embd, c.n_layer, c.n_head) == (vocab, args.n_embd, args.n_layer, 12), c
+    else:
+        model = GPTBigCodeForCausalLM(new_config(vocab, hf_tok, args)).float()
     n_params = sum(p.numel() for p in model.parameters())  # tied lm_head counted once
     log(f"model: n_embd {args.n_embd}, n_layer {args.n_layer}, 12 heads (MQA), {n_params:,} parameters")
 
@@ -513,6 +570,11 @@ def main() -> None:
     fim = FimPermuter(tok, token_bytes_table(tok))
     eot_id = fim.eot
     curve_windows = heldout_windows(corpus["held"], eot_id, args.short_len, args.curve_windows)
+    eval_windows = heldout_windows(corpus["held"], eot_id, args.long_len, args.eval_windows)
+    init_metrics = {}
+    if args.init_from:  # the starting point, measured exactly like the final report
+        init_metrics = {f"init_{k}": v for k, v in heldout_report(model, eval_windows, fim, args.seed).items()}
+        log("loaded model, held-out: " + ", ".join(f"{k} {v:.4g}" for k, v in init_metrics.items()))
 
     # --- schedule: the wall clock, or the exact steps of an earlier run -----------------------------------
     replay = None
@@ -520,16 +582,18 @@ def main() -> None:
         with open(args.replay, newline="") as f:
             replay = [(int(r["seq_len"]), float(r["lr"])) for r in csv.DictReader(f)]
         log(f"replaying {len(replay)} steps from {args.replay}")
-    reserve_s = 150  # final plain + FIM evaluation, samples, saving, plotting (generous for a loaded CPU)
-    train_budget_s = args.budget_minutes * 60 - (time.time() - t_start) - reserve_s
+    # the reserve pays for the final plain + FIM evaluation, samples, saving, plotting (on a loaded CPU)
+    train_budget_s = args.budget_minutes * 60 - (time.time() - t_start) - args.reserve_seconds
     assert replay or train_budget_s > 30, "--budget-minutes leaves no time to train"
     log(f"training for {train_budget_s / 60:.1f} min" if not replay else "training")
     next_eval = 0.05  # loss-curve point every 5% of the budget (every 5% of the steps when replaying)
 
     # --- training ----------------------------------------------------------------------------------------
-    data = WindowStream(corpus["train"], eot_id, args.seed)
-    rng = np.random.default_rng(args.seed)  # FIM decisions and cut points
-    curve_path = args.log_dir / "loss_curve.csv"
+    data_seed = args.seed + phase - 1  # a new file order per phase; evaluation keeps args.seed
+    data = WindowStream(corpus["train"], eot_id, data_seed)
+    rng = np.random.default_rng(data_seed)  # FIM decisions and cut points
+    curve_name = "loss_curve.csv" if phase == 1 else "loss_curve_continued.csv"
+    curve_path = args.log_dir / curve_name
     rows: list[dict] = []
     curve_file = open(curve_path, "w", newline="")  # written row by row: a crashed run keeps its curve
     writer = None
@@ -589,22 +653,7 @@ def main() -> None:
     train_seconds = time.time() - t_train
 
     # --- final held-out report on full 512-token windows -------------------------------------------------
-    eval_windows = heldout_windows(corpus["held"], eot_id, args.long_len, args.eval_windows)
-    plain = evaluate(model, eval_windows, fim, 0.0, args.seed)
-    fimd = evaluate(model, eval_windows, fim, 1.0, args.seed)
-    eval_bytes = sum(len(fim.table[t]) for w in eval_windows for t in w)
-    eval_tokens = sum(len(w) for w in eval_windows)
-    metrics = {
-        "heldout_plain_loss": plain["loss"],
-        "heldout_plain_ppl": math.exp(plain["loss"]),
-        "heldout_plain_bits_per_byte": plain["loss"] / math.log(2) * eval_tokens / eval_bytes,
-        "heldout_fim_loss": fimd["loss"],
-        "heldout_fim_ppl": math.exp(fimd["loss"]),
-        "heldout_fim_middle_loss": fimd["middle_loss"],
-        "heldout_fim_middle_ppl": math.exp(fimd["middle_loss"]),
-        "heldout_eval_windows": len(eval_windows),
-        "heldout_eval_tokens": plain["tokens"],
-    }
+    metrics = heldout_report(model, eval_windows, fim, args.seed)
     log("held-out: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
 
     # --- artifacts ---------------------------------------------------------------------------------------
@@ -613,12 +662,19 @@ def main() -> None:
     hf_tok.save_pretrained(args.out)
     examples = samples(model, hf_tok)
     log(f"sample completion: {examples['completion']!r}; FIM middle: {examples['fim_middle']!r}")
-    plot_curve(rows, args.out / "loss.png", args)
 
+    reproduce = f"python demo/train.py --replay demo/{curve_name} --seed {args.seed}"
+    if args.init_from:
+        reproduce = (
+            f"python demo/train.py --init-from PHASE_{phase - 1}_MODEL --init-log-dir PHASE_{phase - 1}_LOGS "
+            f"--replay demo/{curve_name} --seed {args.seed}"
+        )
     summary = {
+        "phase": phase,
         "command": "python demo/train.py " + " ".join(sys.argv[1:]),
-        "reproduce": f"python demo/train.py --replay demo/loss_curve.csv --seed {args.seed}",
+        "reproduce": reproduce,
         "seed": args.seed,
+        "data_seed": data_seed,
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": __import__("transformers").__version__,
@@ -642,12 +698,22 @@ def main() -> None:
         "train_seconds": train_seconds,
         "total_seconds": time.time() - t_start,
         "safetensors_bytes": (args.out / "model.safetensors").stat().st_size,
+        **init_metrics,
         **metrics,
         "examples": examples,
         "args": {k: str(v) for k, v in vars(args).items()},
     }
+    if previous:  # totals over all phases: the shipped model's whole training
+        all_phases = [*previous, summary]
+        for k in ("steps", "tokens_seen", "loss_tokens", "train_seconds"):
+            summary[f"all_phases_{k}"] = sum(ph[k] for ph in all_phases)
+        summary["all_phases_epochs"] = summary["all_phases_tokens_seen"] / n_tokens["train"]
+        summary["previous_phases"] = previous
+    # metrics first: a failing chart or card can be redone with --report-only
     (args.log_dir / "metrics.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (args.out / "README.md").write_text(model_card(summary, args))
+    prev_curves = [read_curve(args.init_log_dir / "loss_curve.csv")] if args.init_from else []
+    plot_curve([*prev_curves, rows], args.out / "loss.png", args)
+    (args.out / "README.md").write_text(model_card(summary))
     log(f"done in {summary['total_seconds'] / 60:.1f} min; artifacts in {args.out}")
 
 
@@ -661,12 +727,23 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def plot_curve(rows: list[dict], path: Path, args) -> None:
+def read_curve(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def plot_curve(phases: list[list[dict]], path: Path, args) -> None:
+    """Loss curve of one run, or of consecutive phases (continued training) on one token axis."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows, starts, offset = [], [], 0
+    for phase_rows in phases:
+        starts.append(offset / 1e6)
+        rows += [{**r, "tokens": int(r["tokens"]) + offset} for r in phase_rows]
+        offset += int(phase_rows[-1]["tokens"])
     x = [int(r["tokens"]) / 1e6 for r in rows]
     y = [float(r["train_loss"]) for r in rows]
     k = max(1, len(y) // 50)  # moving average over ~2% of the run for a readable line
@@ -676,19 +753,21 @@ def plot_curve(rows: list[dict], path: Path, args) -> None:
     ax.plot(x, y, color="tab:blue", alpha=0.25, lw=0.8, label="train (per step)")
     ax.plot(x[k - 1 :], smooth, color="tab:blue", lw=1.5, label=f"train ({k}-step mean)")
     ax.plot(*zip(*ev, strict=True), "o-", color="tab:orange", ms=3, label="held-out (plain, 256 tokens)")
-    switch = next((i for i, r in enumerate(rows) if int(r["seq_len"]) == args.long_len), 0)
-    if switch:
-        ax.axvline(x[switch], color="grey", ls=":", lw=1)
-        ax.text(
-            x[switch],
-            0.98,
-            f"{args.long_len}-token windows ",
-            transform=ax.get_xaxis_transform(),
-            va="top",
-            ha="right",
-            fontsize=8,
-            color="grey",
-        )
+    # grey dotted: switch to 512-token windows (each phase ends with them); black dashed: a continued phase starts
+    switches = [
+        i for i in range(1, len(rows)) if int(rows[i]["seq_len"]) == args.long_len != int(rows[i - 1]["seq_len"])
+    ]
+    for n, i in enumerate(switches):
+        ax.axvline(x[i], color="grey", ls=":", lw=1)
+        if n == 0:
+            label = f"{args.long_len}-token windows "
+            ax.text(
+                x[i], 0.98, label, transform=ax.get_xaxis_transform(), va="top", ha="right", fontsize=8, color="grey"
+            )
+    for n, x0 in enumerate(starts[1:]):
+        ax.axvline(x0, color="black", ls="--", lw=1)
+        label = f" phase {n + 2}:\n continued"
+        ax.text(x0, 0.86, label, transform=ax.get_xaxis_transform(), va="top", ha="left", fontsize=8)
     ax.set_xlabel("training tokens (millions)")
     ax.set_ylabel("cross-entropy (nats / token)")
     ax.set_ylim(top=min(max(y), 9.0))
@@ -700,10 +779,108 @@ def plot_curve(rows: list[dict], path: Path, args) -> None:
     plt.close(fig)
 
 
-def model_card(s: dict, args) -> str:
+def model_card(s: dict) -> str:
+    """README.md of the model directory, from metrics.json (phase 1 alone, or phase 1 + continued training)."""
     ex = s["examples"]
+    phases = [*s.get("previous_phases", []), s]
+    p1, a1 = phases[0], phases[0]["args"]
+    total = {k: s.get(f"all_phases_{k}", s[k]) for k in ("steps", "tokens_seen", "train_seconds", "epochs")}
     size_mb = s["safetensors_bytes"] / 1e6
     head_dim = s["n_embd"] // s["n_head"]
+    long_pct = float(a1["long_fraction"])
+    training = f"""StarCoder's objective, scaled down: files are shuffled, joined with `<|endoftext|>` and packed into
+fixed windows; each document segment of a window is, with probability {a1["fim_rate"]}, cut at two random
+character positions and rearranged as `<fim_prefix>prefix<fim_suffix>suffix<fim_middle>middle`
+(PSM fill-in-the-middle, as in bigcode's Megatron-LM); the rest is plain left-to-right text.
+AdamW (betas 0.9, 0.95, weight decay {a1["weight_decay"]}), gradient clipping 1.0, no dropout,
+{a1["tokens_per_step"]} tokens per step; within each phase, 256-token windows for the first {1 - long_pct:.0%}
+of the training time and 512-token windows (the full context) for the rest. Each phase's learning rate
+warms up linearly and then follows a cosine decay over that phase's wall-clock budget.
+"""
+    for n, ph in enumerate(phases, 1):
+        a = ph["args"]
+        what = "from a random initialization (tokenizer trained first)"
+        if n > 1:
+            what = (
+                f"continued from phase {n - 1}'s weights and tokenizer,\nwith a fresh optimizer state and the "
+                f"training files reshuffled (data seed {ph['data_seed']})"
+            )
+        training += f"""
+**Phase {n}**, {what}:
+peak learning rate {a["lr"]} after {a["warmup_steps"]} warmup steps, cosine decay to {float(a["min_lr_ratio"]):g}x;
+{ph["steps"]:,} steps, {ph["tokens_seen"]:,} tokens
+({ph["epochs"]:.2f} epochs of the training files) in {ph["train_seconds"] / 60:.1f} min of training
+({ph["total_seconds"] / 60:.1f} min end to end) on {ph["machine"]}, i.e.
+{ph["tokens_seen"] / ph["train_seconds"]:,.0f} tokens/s including the loss-curve evaluations.
+"""
+        if n > 1:
+            training += f"""Over this phase the held-out plain loss went from {ph["init_heldout_plain_loss"]:.3f} to
+{ph["heldout_plain_loss"]:.3f} and the FIM loss from {ph["init_heldout_fim_loss"]:.3f} to {ph["heldout_fim_loss"]:.3f}.
+"""
+    niced = " (phase 2 ran at `nice -n 19`, on CPU time they left idle)" if len(phases) > 1 else ""
+    training += f"""
+In total: {total["steps"]:,} steps, {total["tokens_seen"]:,} tokens seen ({total["epochs"]:.2f} epochs of the
+training files), {total["train_seconds"] / 60:.1f} min of training (torch {s["torch"]}, transformers
+{s["transformers"]}, tokenizers {s["tokenizers"]}). The cores were shared with other jobs{niced}; an idle
+machine gets more tokens into the same budget."""
+    if len(phases) == 1:
+        training = training.replace("Each phase's learning rate", "The learning rate").replace(
+            "within each phase, ", ""
+        )
+        training = training.replace(" over that phase's wall-clock budget", " over the wall-clock budget")
+    rows = [
+        ("plain left-to-right", "plain_loss", "plain_ppl"),
+        ("fill-in-the-middle (every segment PSM), all tokens", "fim_loss", "fim_ppl"),
+        ("fill-in-the-middle, middle tokens only", "fim_middle_loss", "fim_middle_ppl"),
+    ]
+    if len(phases) == 1:
+        table = "| | loss (nats/token) | perplexity |\n|---|---|---|\n" + "".join(
+            f"| {name} | {s[f'heldout_{lo}']:.3f} | {s[f'heldout_{pp}']:.1f} |\n" for name, lo, pp in rows
+        )
+    else:
+        head = " | ".join(f"after phase {n}: loss | ppl" for n in range(1, len(phases) + 1))
+        table = f"| | {head} |\n|---|" + "---|---|" * len(phases) + "\n"
+        for name, lo, pp in rows:
+            cells = " | ".join(f"{ph[f'heldout_{lo}']:.3f} | {ph[f'heldout_{pp}']:.1f}" for ph in phases)
+            table += f"| {name} | {cells} |\n"
+    reproduce = f"""```
+python demo/train.py                 # phase 1, wall-clock schedule: --budget-minutes {a1["budget_minutes"]}
+{p1["reproduce"]}   # exactly phase 1's {p1["steps"]} steps
+```
+"""
+    if len(phases) > 1:
+        reproduce = f"""The shipped model is phase 1 followed by phase 2. Phase 1 was `{p1["command"].strip()}` (a
+wall-clock schedule of --budget-minutes {a1["budget_minutes"]}); phase 2, started from phase 1's model, which
+was then in `src/autotp/demo_model/` with its logs in `demo/`, was
+
+```
+nice -n 19 {s["command"]}
+```
+
+Wall-clock schedules depend on the machine's speed. To repeat exactly the same steps of both phases (same
+data order, FIM cuts, sequence lengths and learning rates), replay them into a scratch directory; nothing
+in the repository is overwritten:
+
+```
+python demo/train.py --replay demo/loss_curve.csv --seed {p1["seed"]} \\
+    --out demo/.work/phase1/model --log-dir demo/.work/phase1
+python demo/train.py --init-from demo/.work/phase1/model --init-log-dir demo/.work/phase1 \\
+    --replay demo/loss_curve_continued.csv --seed {s["seed"]} \\
+    --out demo/.work/phase2/model --log-dir demo/.work/phase2
+```
+
+To replay phase 2 alone from the exact phase-1 files, take them from the git commit that shipped phase 1
+(`git log -- src/autotp/demo_model`):
+
+```
+mkdir -p demo/.work/p1 && git archive be566f2 src/autotp/demo_model demo | tar -x -C demo/.work/p1
+python demo/train.py --init-from demo/.work/p1/src/autotp/demo_model --init-log-dir demo/.work/p1/demo \\
+    --replay demo/loss_curve_continued.csv --seed {s["seed"]} \\
+    --out demo/.work/phase2/model --log-dir demo/.work/phase2
+```
+"""
+    fim_vs_plain = "worse than" if s["heldout_fim_middle_loss"] > s["heldout_plain_loss"] else "better than"
+    curves = "`demo/loss_curve.csv`" + (" and `demo/loss_curve_continued.csv`" if len(phases) > 1 else "")
     return f"""# autotp demo model
 
 A tiny [StarCoder](https://huggingface.co/bigcode/starcoder)-architecture (GPT-BigCode) model trained
@@ -745,37 +922,16 @@ and {s["heldout_files"]} held-out files ({s["heldout_bytes"] / 1e6:.2f} MB,
 
 ## Training
 
-StarCoder's objective, scaled down: files are shuffled, joined with `<|endoftext|>` and packed into
-fixed windows; each document segment of a window is, with probability {args.fim_rate}, cut at two random
-character positions and rearranged as `<fim_prefix>prefix<fim_suffix>suffix<fim_middle>middle`
-(PSM fill-in-the-middle, as in bigcode's Megatron-LM); the rest is plain left-to-right text.
-AdamW (betas 0.9, 0.95, weight decay {args.weight_decay}), peak learning rate {args.lr} with linear
-warmup and cosine decay to {args.min_lr_ratio:g}x, gradient clipping 1.0, no dropout,
-{args.tokens_per_step} tokens per step: 256-token windows for the first {1 - args.long_fraction:.0%}
-of the training time, 512-token windows (the full context) for the rest.
-
-- {s["steps"]:,} steps, {s["tokens_seen"]:,} tokens seen ({s["epochs"]:.2f} epochs of the training files)
-- {s["train_seconds"] / 60:.1f} min of training, {s["total_seconds"] / 60:.1f} min end to end
-  (tokenizer training included) on {s["machine"]}
-  (torch {s["torch"]}, transformers {s["transformers"]}, tokenizers {s["tokenizers"]}), i.e.
-  {s["tokens_seen"] / s["train_seconds"]:,.0f} tokens/s including the loss-curve evaluations; the cores
-  were shared with other jobs, and an idle machine gets more tokens into the same budget
+{training}
 
 ![loss curve](loss.png)
 
 ## Held-out results
 
 {s["heldout_eval_windows"]} evenly spaced 512-token windows of the held-out files
-({s["heldout_eval_tokens"]:,} predicted tokens):
+({s["heldout_eval_tokens"]:,} predicted tokens), the same windows and FIM cuts for every phase:
 
-| | loss (nats/token) | perplexity |
-|---|---|---|
-| plain left-to-right | {s["heldout_plain_loss"]:.3f} | {s["heldout_plain_ppl"]:.1f} |
-| fill-in-the-middle (every segment PSM), all tokens | {s["heldout_fim_loss"]:.3f} \
-| {s["heldout_fim_ppl"]:.1f} |
-| fill-in-the-middle, middle tokens only | {s["heldout_fim_middle_loss"]:.3f} \
-| {s["heldout_fim_middle_ppl"]:.1f} |
-
+{table}
 Plain text: {s["heldout_plain_bits_per_byte"]:.2f} bits per byte.
 
 ## Examples (greedy decoding)
@@ -795,23 +951,21 @@ generated middle (greedy, up to `<|endoftext|>` or 24 tokens): `{_esc(ex["fim_mi
 
 ## What it can and cannot do
 
-With about one epoch over 2.6M tokens, it has learned the surface of Python source: indentation after
-`:`, comments, blank lines, docstring quotes, identifier fragments of the standard library. It has not
-learned to write code: greedy decoding falls into repetition within a few tokens, and its
-fill-in-the-middle answers follow the prompt format (a middle, then `<|endoftext|>` at best) without
-being a sensible infill; held-out FIM middles are predicted no better than plain text. Contexts
-longer than 512 tokens are not supported. Use it to test loading, sharding and numerical parity of
-tensor-parallel inference (its logits are those of a trained, non-degenerate network), not to generate
+With {total["epochs"]:.1f} epochs over {s["train_corpus_tokens"] / 1e6:.1f}M tokens, it has learned the surface of
+Python source: indentation, comments, blank lines, docstring quotes, statement-shaped lines, identifier
+fragments of the standard library. It has not learned to write code: greedy decoding falls into
+repetition within a line or two, nesting and indentation do not stay consistent, strings are left open,
+and its fill-in-the-middle answers have the shape of a middle without being a sensible infill (see the
+examples above); held-out FIM middles are predicted {fim_vs_plain} plain text
+(loss {s["heldout_fim_middle_loss"]:.2f} vs {s["heldout_plain_loss"]:.2f}).
+Contexts longer than 512 tokens are not supported. Use it to test loading, sharding and numerical parity
+of tensor-parallel inference (its logits are those of a trained, non-degenerate network), not to generate
 code.
 
 ## Reproduce
 
-```
-python demo/train.py                 # wall-clock schedule: --budget-minutes {args.budget_minutes:g}
-{s["reproduce"]}   # exactly this run's {s["steps"]} steps
-```
-
-The loss curve is in `demo/loss_curve.csv`, all numbers above in `demo/metrics.json`.
+{reproduce}
+The loss curve is in {curves}, all numbers above in `demo/metrics.json`.
 """
 
 
