@@ -80,6 +80,14 @@ def load_config(model_dir: Path):
         raise AutotpError(f"cannot read {model_dir / 'config.json'}: {e}") from None
 
 
+def checkpoint_keys(ckpt: Checkpoint, net: nn.Module, plan: Plan) -> dict[str, str]:
+    """Validate the checkpoint against the model skeleton (missing, unused, mis-shaped tensors) before any
+    weight is read; each parameter's first name -> its checkpoint key."""
+    aliases = plan.parameter_names(net)
+    shapes = {first: tuple(net.get_parameter(first).shape) for first in aliases}
+    return ckpt.validate(aliases, shapes, getattr(net, "_keys_to_ignore_on_load_unexpected", None) or [])
+
+
 def _check_tp(tp: int | None, world: int) -> int:
     if tp is None:
         return world
@@ -110,10 +118,8 @@ def from_pretrained(model: str | os.PathLike, dtype: str | torch.dtype | None = 
     ckpt = Checkpoint(model_dir)
     dtype = dtype or ckpt.floating_dtype() or torch.float32
     net = skeleton(config, dtype)
-    aliases = plan.parameter_names(net)
-    shapes = {first: tuple(net.get_parameter(first).shape) for first in aliases}
-    keys = ckpt.validate(aliases, shapes, getattr(net, "_keys_to_ignore_on_load_unexpected", None) or [])
-    first = {name: names[0] for names in aliases.values() for name in names}
+    keys = checkpoint_keys(ckpt, net, plan)
+    first = {name: names[0] for names in plan.parameter_names(net).values() for name in names}
     progress = tqdm(total=len(keys), desc=f"loading {plan.family} tp={tp}", unit="tensor",
                     disable=env.rank != 0 or not sys.stderr.isatty())
 

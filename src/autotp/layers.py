@@ -22,6 +22,13 @@ class ColwiseLinear(nn.Linear):
         super().__init__(in_features, out_per_rank, bias=bias, device="meta", dtype=dtype)
         self.out_features_global = out_features_global
 
+    def linear_weight(self) -> torch.Tensor:
+        """The weight as F.linear wants it, (out, in); Conv1D subclasses store its transpose."""
+        return self.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.linear_weight(), self.bias)
+
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, out_features_global={self.out_features_global}"
 
@@ -37,10 +44,14 @@ class RowwiseLinear(nn.Linear):
         self.in_features_global = in_features_global
         self.group = group
 
+    def linear_weight(self) -> torch.Tensor:
+        """The weight as F.linear wants it, (out, in_per_rank); Conv1D subclasses store its transpose."""
+        return self.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.group is None:  # one rank: nothing to reduce, so keep the fused matmul + bias
-            return F.linear(x, self.weight, self.bias)
-        y = all_reduce_sum(F.linear(x, self.weight), self.group)
+            return F.linear(x, self.linear_weight(), self.bias)
+        y = all_reduce_sum(F.linear(x, self.linear_weight()), self.group)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
@@ -55,8 +66,8 @@ class ColwiseConv1D(ColwiseLinear):
         self.weight = nn.Parameter(torch.empty(in_features, out_per_rank, device="meta", dtype=dtype),
                                    requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight.t(), self.bias)
+    def linear_weight(self) -> torch.Tensor:
+        return self.weight.t()
 
 
 class RowwiseConv1D(RowwiseLinear):
@@ -67,9 +78,8 @@ class RowwiseConv1D(RowwiseLinear):
         self.weight = nn.Parameter(torch.empty(in_per_rank, out_features, device="meta", dtype=dtype),
                                    requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce_sum(F.linear(x, self.weight.t()), self.group)
-        return y if self.bias is None else y + self.bias
+    def linear_weight(self) -> torch.Tensor:
+        return self.weight.t()
 
 
 class VocabParallelEmbedding(nn.Module):

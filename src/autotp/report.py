@@ -12,7 +12,7 @@ import re
 
 import torch
 
-from autotp.api import load_config, parse_dtype, resolve_model_dir
+from autotp.api import checkpoint_keys, load_config, parse_dtype, resolve_model_dir
 from autotp.loader import INDEX, SINGLE, Checkpoint
 from autotp.plans import plan_for
 from autotp.shard import parameter_names, rank_shards
@@ -30,8 +30,7 @@ def plan_report(model: str, tp: int, dtype: str | None = None) -> dict:
     net = skeleton(config, torch_dtype, buffers=False)
     aliases = parameter_names(net)
     if ckpt is not None:
-        shapes = {first: tuple(net.get_parameter(first).shape) for first in aliases}
-        ckpt.validate(plan.parameter_names(net), shapes, getattr(net, "_keys_to_ignore_on_load_unexpected", None) or [])
+        checkpoint_keys(ckpt, net, plan)
     ranks = []
     for rank, shards in enumerate(rank_shards(net, plan, tp)):
         tensors = []
