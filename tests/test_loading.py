@@ -1,18 +1,26 @@
 """The sliced loader: what each rank reads, and every way a checkpoint or config can be wrong."""
 
 import json
+import re
 import shutil
+import struct
 
 import pytest
 import torch
 from checkpoints import build, save
 from pool import RankError
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tasks import load_error, sharded_outputs
 
 import autotp
+from autotp import loader
 from autotp.errors import AutotpError
+from autotp.generate import generate
+from autotp.loader import Checkpoint
+from autotp.partition import even_split
 from autotp.report import plan_report
+from autotp.styles import TensorShard
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -157,3 +165,136 @@ def test_hub_id_resolves_from_the_offline_cache(tmp_path, monkeypatch, checkpoin
     assert model.autotp.bytes_read > 0
     with pytest.raises(AutotpError, match="cannot find model 'bigcode/absent' locally or on the hub"):
         autotp.from_pretrained("bigcode/absent")
+
+
+def rewrite_header(path, change):
+    """Apply `change` to a safetensors file's JSON header in place; the data bytes stay as they are."""
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = change(json.loads(data[8:8 + n]))
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)  # safetensors pads the header to 8 bytes
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n:])
+
+
+def expect_plan_and_load_error(model_dir, match):
+    """`autotp plan` and `from_pretrained` (what `autotp generate` calls) refuse alike, before any weight."""
+    with pytest.raises(AutotpError, match=match):
+        plan_report(str(model_dir), 2)
+    expect_error(model_dir, match)
+
+
+def with_index(model_dir, file_for):
+    """Replace model_dir's single file by an index whose weight_map gives each tensor file_for(key)."""
+    keys = load_file(model_dir / "model.safetensors").keys()
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {k: file_for(k) for k in keys}}))
+
+
+@pytest.mark.parametrize("where", ["../outside.safetensors", "absolute", "shards/../../outside.safetensors"])
+def test_index_naming_a_file_outside_the_directory_is_refused(broken, where):
+    outside = broken.parent / "outside.safetensors"
+    (broken / "model.safetensors").rename(outside)  # a valid checkpoint, just not inside the model directory
+    where = str(outside) if where == "absolute" else where
+    shutil.copy(outside, broken / "model.safetensors")
+    with_index(broken, lambda k: where)
+    (broken / "model.safetensors").unlink()
+    expect_plan_and_load_error(broken, f"model.safetensors.index.json maps tensor .* to {re.escape(where)}, "
+                                       f"outside {re.escape(str(broken))}: autotp reads only files inside")
+
+
+def test_index_weight_map_value_that_is_not_a_file_name(broken):
+    with_index(broken, lambda k: 5 if k == "transformer.wpe.weight" else "model.safetensors")
+    expect_plan_and_load_error(broken, "corrupt checkpoint index .*model.safetensors.index.json: tensor "
+                                       "transformer.wpe.weight maps to 5, not a file name")
+
+
+def test_header_that_is_a_json_list(broken):
+    rewrite_header(broken / "model.safetensors", lambda h: list(h))
+    expect_plan_and_load_error(broken, "corrupt safetensors header in .*model.safetensors: the header is a JSON "
+                                       "list, not an object")
+
+
+def test_header_shape_that_disagrees_with_its_byte_range(broken):
+    def shrink(header):
+        begin, end = header["transformer.wpe.weight"]["data_offsets"]
+        header["transformer.wpe.weight"]["data_offsets"] = [begin, end - 4]
+        return header
+
+    rewrite_header(broken / "model.safetensors", shrink)
+    expect_plan_and_load_error(broken, r"corrupt safetensors header in .*model.safetensors: tensor "
+                                       r"'transformer.wpe.weight' of shape \(64, 96\) and dtype F32 needs 24576 "
+                                       r"bytes, but its data_offsets \d+:\d+ hold 24572")
+
+
+def test_float_weight_stored_as_integers(broken):
+    def as_i32(header):
+        header["transformer.wpe.weight"]["dtype"] = "I32"  # same itemsize: the byte range still fits
+        return header
+
+    rewrite_header(broken / "model.safetensors", as_i32)
+    expect_plan_and_load_error(broken, "checkpoint tensor transformer.wpe.weight in .*model.safetensors is stored "
+                                       "as I32, but the model's transformer.wpe.weight is float32")
+
+
+@pytest.mark.parametrize("config, message", [
+    ([1, 2], "config.json is a JSON list, not an object of config fields"),
+    ({"n_layer": "2"}, "cannot read .*config.json: Validation error for field 'n_layer': TypeError: Field "
+                       "'n_layer' expected int, got str"),
+    ({"n_head": 0}, "config.json gives n_head=0: a model needs at least 1 attention head"),
+    ({"n_head": 7}, r"config.json gives n_embd=96, which does not split into n_head=7 heads of equal size "
+                    r"\(96 % 7 = 5\)"),
+])
+def test_config_that_cannot_describe_a_model(broken, config, message):
+    if isinstance(config, dict):
+        config = json.loads((broken / "config.json").read_text()) | config
+    (broken / "config.json").write_text(json.dumps(config))
+    expect_plan_and_load_error(broken, message)
+
+
+@pytest.mark.parametrize("bad", [101, 99999, -1])
+def test_prompt_ids_outside_the_vocabulary(checkpoint, bad):
+    model = autotp.from_pretrained(checkpoint("mqa12")[0])
+    with pytest.raises(AutotpError, match=f"token id {bad} is outside the model's vocabulary of 101 ids "
+                                          r"\(0 to 100\)"):
+        generate(model, torch.tensor([[3, bad, 5]]), max_new_tokens=1)
+
+
+@pytest.fixture(scope="module")
+def tensors(tmp_path_factory):
+    """A file of tensors whose rows and columns divide by none of 2, 3, 5, in two dtypes, and its contents."""
+    torch.manual_seed(0)
+    full = {"w": torch.randn(37, 29), "b": torch.randn(53), "h": torch.randn(41, 23).to(torch.bfloat16)}
+    path = tmp_path_factory.mktemp("blocks") / "model.safetensors"
+    save_file(full, path)
+    return path.parent, full
+
+
+def shards(shape):
+    """Every rank's uneven row or column shard at tp 2, 3, 5, a fused-style shard of three ranges, the whole."""
+    out = [TensorShard.along(dim, [part]) for dim in range(len(shape)) for tp in (2, 3, 5)
+           for part in even_split(shape[dim], tp)]
+    out.append(TensorShard.along(0, [(0, 4), (10, 15), (shape[0] - 7, shape[0])]))
+    return out + [TensorShard()]
+
+
+@pytest.mark.parametrize("block_bytes", [1, 200, 1000, None])
+def test_shards_read_in_many_blocks_equal_slices_of_the_full_tensor(tensors, monkeypatch, block_bytes):
+    """Bit-exact against indexing the full tensor, with blocks down to one row per file opening; None is
+    the default block size, which holds each of these tensors whole."""
+    directory, full = tensors
+    opened = []
+    monkeypatch.setattr(loader, "safe_open", lambda *a, **k: opened.append(1) or safe_open(*a, **k))
+    ckpt = Checkpoint(directory) if block_bytes is None else Checkpoint(directory, block_bytes=block_bytes)
+    for key, tensor in full.items():
+        for shard in shards(tuple(tensor.shape)):
+            opened.clear()
+            got = ckpt.read(key, shard, None)
+            assert got.dtype == tensor.dtype and torch.equal(got, shard.take(tensor)), (key, shard, block_bytes)
+            rows = shard.local_shape(tuple(tensor.shape))[0] if shard.dim == 0 else tensor.shape[0]
+            if block_bytes == 1:  # one row per opening: the multi-block path ran for every row
+                assert len(opened) == rows, (key, shard)
+            elif block_bytes is None:  # one opening per contiguous range
+                assert len(opened) == (len(shard.reads()) if shard.dim == 0 else 1), (key, shard)
+    assert ckpt.bytes_read > 0
+    converted = ckpt.read("w", TensorShard.along(1, [(3, 17)]), torch.bfloat16)
+    assert torch.equal(converted, full["w"][:, 3:17].to(torch.bfloat16))

@@ -6,12 +6,14 @@ before any weight is read, then hand a model and a `load` callback to `shard.par
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from torch import nn
 from tqdm import tqdm
 from transformers import AutoConfig
@@ -72,20 +74,29 @@ def resolve_model_dir(model: str | os.PathLike, patterns: list[str] = WEIGHT_FIL
 
 
 def load_config(model_dir: Path):
-    if not (model_dir / "config.json").exists():
+    """config.json as a transformers config; one that is no JSON object, or that transformers rejects (its
+    strict fields, e.g. a string for n_layer), is an AutotpError naming the file."""
+    path = model_dir / "config.json"
+    if not path.exists():
         raise AutotpError(f"no config.json in {model_dir}")
     try:
+        fields = json.loads(path.read_text())
+    except (ValueError, OSError) as e:
+        raise AutotpError(f"cannot read {path}: {e}") from None
+    if not isinstance(fields, dict):
+        raise AutotpError(f"{path} is a JSON {type(fields).__name__}, not an object of config fields")
+    try:
         return AutoConfig.from_pretrained(model_dir)
-    except (ValueError, KeyError, OSError) as e:
-        raise AutotpError(f"cannot read {model_dir / 'config.json'}: {e}") from None
+    except (ValueError, KeyError, OSError, StrictDataclassError) as e:
+        raise AutotpError(f"cannot read {path}: {' '.join(str(e).split())}") from None
 
 
 def checkpoint_keys(ckpt: Checkpoint, net: nn.Module, plan: Plan) -> dict[str, str]:
-    """Validate the checkpoint against the model skeleton (missing, unused, mis-shaped tensors) before any
+    """Validate the checkpoint against the model skeleton (missing, unused, mis-shaped, mis-typed tensors) before any
     weight is read; each parameter's first name -> its checkpoint key."""
     aliases = plan.parameter_names(net)
-    shapes = {first: tuple(net.get_parameter(first).shape) for first in aliases}
-    return ckpt.validate(aliases, shapes, getattr(net, "_keys_to_ignore_on_load_unexpected", None) or [])
+    params = {first: net.get_parameter(first) for first in aliases}
+    return ckpt.validate(aliases, params, getattr(net, "_keys_to_ignore_on_load_unexpected", None) or [])
 
 
 def _check_tp(tp: int | None, world: int) -> int:

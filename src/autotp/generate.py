@@ -44,6 +44,16 @@ def check_length(config, prompt_tokens: int, max_new_tokens: int) -> None:
         raise AutotpError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
 
 
+def check_ids(config, input_ids: torch.Tensor) -> None:
+    """Prompt ids must index the vocabulary. The vocabulary-parallel embedding gives an id outside every
+    rank's rows a zero vector instead of failing, so an id past the end would generate text silently."""
+    vocab = config.vocab_size
+    outside = input_ids[(input_ids < 0) | (input_ids >= vocab)]
+    if outside.numel():
+        raise AutotpError(f"token id {outside[0].item()} is outside the model's vocabulary of {vocab} ids "
+                          f"(0 to {vocab - 1})")
+
+
 def shared_seed(seed: int | None) -> int:
     """`seed`, or one drawn on rank 0 and broadcast, so that all ranks sample alike."""
     if seed is not None:
@@ -59,6 +69,7 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int, do_sample: 
              seed: int | None = None, tokenizer=None, stream: bool = False) -> torch.Tensor:
     """prompt ids (batch, prompt_len) -> (batch, prompt_len + new) on every rank; streams on rank 0."""
     check_length(model.config, input_ids.shape[-1], max_new_tokens)
+    check_ids(model.config, input_ids)
     torch.manual_seed(shared_seed(seed))
     rank = dist.get_rank() if dist.is_initialized() else 0
     streamer = (TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)

@@ -31,8 +31,9 @@ DTYPES = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on the JSON header
-CHUNK_BYTES = 8 * 1024 * 1024  # rows read per file opening: bounds the memory-map pages resident at once
+BLOCK_BYTES = 8 * 1024 * 1024  # rows read per file opening: bounds the memory-map pages resident at once
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,12 @@ class Entry:
 
 
 def read_header(path: Path) -> dict[str, Entry]:
-    """Tensor name -> Entry from one safetensors file's header, with a clear error for a corrupt one."""
+    """Tensor name -> Entry from one safetensors file's header, with a clear error for a corrupt one.
+
+    Everything the loader will later rely on is checked here, before a weight is read: the header is a
+    JSON object, each entry has a known dtype and integer shape, and its byte range lies in the file and
+    holds exactly numel * itemsize bytes (safetensors itself would fail at read time, naming no tensor).
+    """
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -51,35 +57,77 @@ def read_header(path: Path) -> dict[str, Entry]:
             if n > MAX_HEADER or 8 + n > size:
                 raise ValueError(f"header length {n} does not fit the file's {size} bytes")
             header = json.loads(f.read(n))
+        if not isinstance(header, dict):
+            raise ValueError(f"the header is a JSON {type(header).__name__}, not an object")
         entries = {}
         for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            begin, end = info["data_offsets"]
-            shape = tuple(int(d) for d in info["shape"])
-            if info["dtype"] not in DTYPES or not 0 <= begin <= end <= size - 8 - n:
-                raise ValueError(f"tensor {name!r} has dtype {info['dtype']!r} or offsets out of the file")
-            entries[name] = Entry(path, DTYPES[info["dtype"]], shape)
+            if name != "__metadata__":
+                entries[name] = _entry(path, name, info, size - 8 - n)
         return entries
     except FileNotFoundError:
         raise AutotpError(f"checkpoint file {path} is missing") from None
-    except (ValueError, KeyError, TypeError, struct.error) as e:
+    except OSError as e:
+        raise AutotpError(f"cannot read checkpoint file {path}: {e.strerror}") from None
+    except (ValueError, struct.error) as e:
         raise AutotpError(f"corrupt safetensors header in {path}: {e}") from None
+
+
+def _entry(path: Path, name: str, info, data_size: int) -> Entry:
+    """One header entry, {"dtype": "F32", "shape": [rows, cols], "data_offsets": [begin, end]}, checked."""
+    if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+        raise ValueError(f"tensor {name!r} is not a {{dtype, shape, data_offsets}} object: {str(info)[:80]}")
+    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if dtype not in DTYPES:
+        raise ValueError(f"tensor {name!r} has dtype {str(dtype)[:20]!r}, not one of {', '.join(DTYPES)}")
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise ValueError(f"tensor {name!r} has shape {str(shape)[:80]}, not a list of sizes")
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1] <= data_size):
+        raise ValueError(f"tensor {name!r} has data_offsets {str(offsets)[:80]} outside the {data_size} data bytes")
+    nbytes = math.prod(shape) * DTYPES[dtype].itemsize
+    if nbytes != offsets[1] - offsets[0]:
+        raise ValueError(f"tensor {name!r} of shape {tuple(shape)} and dtype {dtype} needs {nbytes} bytes, but its "
+                         f"data_offsets {offsets[0]}:{offsets[1]} hold {offsets[1] - offsets[0]}")
+    return Entry(path, DTYPES[dtype], tuple(shape))
+
+
+def _index_files(index: Path) -> list[str]:
+    """The shard files an index's weight_map names: strings, each a path inside the index's directory.
+
+    Only the names are checked, not where symlinks lead: the huggingface_hub cache stores every file as a
+    symlink into its blobs folder, outside the snapshot directory.
+    """
+    try:
+        weight_map = json.loads(index.read_text())
+    except ValueError as e:
+        raise AutotpError(f"corrupt checkpoint index {index}: {e}") from None
+    if isinstance(weight_map, dict):
+        weight_map = weight_map.get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise AutotpError(f"corrupt checkpoint index {index}: it has no weight_map object")
+    for name, file in weight_map.items():
+        if not isinstance(file, str) or not file:
+            raise AutotpError(f"corrupt checkpoint index {index}: tensor {name} maps to {str(file)[:80]}, "
+                              "not a file name")
+        if Path(file).is_absolute() or ".." in Path(file).parts:
+            raise AutotpError(f"checkpoint index {index} maps tensor {name} to {file}, outside {index.parent}: "
+                              "autotp reads only files inside the checkpoint directory")
+    return sorted(set(weight_map.values()))
 
 
 class Checkpoint:
     """The safetensors weights of a model directory: a single `model.safetensors`, or the files listed
-    by `model.safetensors.index.json`."""
+    by `model.safetensors.index.json`.
 
-    def __init__(self, directory: str | os.PathLike):
+    block_bytes bounds each read of `read` (see there); tests make it small to read in many blocks.
+    """
+
+    def __init__(self, directory: str | os.PathLike, block_bytes: int = BLOCK_BYTES):
         self.directory = Path(directory)
+        self.block_bytes = block_bytes
         index = self.directory / INDEX
         if index.exists():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError) as e:
-                raise AutotpError(f"corrupt checkpoint index {index}: {e}") from None
-            files = sorted(set(weight_map.values()))
+            files = _index_files(index)
         elif (self.directory / SINGLE).exists():
             files = [SINGLE]
         else:
@@ -100,14 +148,15 @@ class Checkpoint:
                 counts[e.dtype] = counts.get(e.dtype, 0) + 1
         return max(counts, key=counts.get) if counts else None
 
-    def validate(self, expected: dict[str, list[str]], shapes: dict[str, tuple[int, ...]],
+    def validate(self, expected: dict[str, list[str]], params: dict[str, torch.Tensor],
                  ignored: list[str] = ()) -> dict[str, str]:
         """Match the model's parameters to checkpoint keys before loading; return first name -> key.
 
-        expected: first name -> every name of that parameter (tied weights); shapes: first name -> the
-        global shape the model wants. Missing, unused and mis-shaped tensors are errors; `ignored` are
-        regexes of checkpoint keys the model declares it does not load (HF's
-        `_keys_to_ignore_on_load_unexpected`).
+        expected: first name -> every name of that parameter (tied weights); params: first name -> the
+        model's (meta) parameter, for the global shape and the kind of dtype it wants. Missing, unused and
+        mis-shaped tensors are errors, and so is integer data for a floating-point parameter or the reverse
+        (`read` converts between floating dtypes only); `ignored` are regexes of checkpoint keys the model
+        declares it does not load (HF's `_keys_to_ignore_on_load_unexpected`).
         """
         keys, missing, claimed = {}, [], set()
         for first, names in expected.items():
@@ -117,11 +166,15 @@ class Checkpoint:
                 continue
             claimed.update(present)
             keys[first] = present[0]
-            got = self.entries[present[0]].shape
-            if got != tuple(shapes[first]):
+            entry, want = self.entries[present[0]], params[first]
+            if entry.shape != tuple(want.shape):
                 raise AutotpError(
-                    f"checkpoint tensor {present[0]} has shape {got} but the config gives {tuple(shapes[first])}"
+                    f"checkpoint tensor {present[0]} has shape {entry.shape} but the config gives {tuple(want.shape)}"
                 )
+            if entry.dtype.is_floating_point != want.dtype.is_floating_point:
+                raise AutotpError(f"checkpoint tensor {present[0]} in {entry.file} is stored as "
+                                  f"{DTYPE_NAMES[entry.dtype]}, but the model's {first} is "
+                                  f"{str(want.dtype).removeprefix('torch.')}")
         if missing:
             raise AutotpError(f"checkpoint in {self.directory} lacks {len(missing)} tensors the model needs: "
                               f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
@@ -135,14 +188,14 @@ class Checkpoint:
         """Read only `shard` of tensor `key` into a new tensor, converting floating-point data to `dtype`.
 
         safetensors' slices view its memory map, and every page they touch stays resident until the file
-        is closed. So the shard is read in blocks of rows of at most CHUNK_BYTES, the file opened and
+        is closed. So the shard is read in blocks of rows of at most `block_bytes`, the file opened and
         closed per block, and each block copied (and converted) into a tensor of our own: the transient
         is one block, not one whole tensor (a replicated 8192 x 6144 bf16 wpe is 96 MiB).
         """
         entry = self.entries[key]
         target = dtype if dtype is not None and entry.dtype.is_floating_point else entry.dtype
         out = torch.empty(shard.local_shape(entry.shape), dtype=target)
-        for source, dest in _blocks(shard, entry.shape, entry.dtype.itemsize):
+        for source, dest in _blocks(shard, entry.shape, entry.dtype.itemsize, self.block_bytes):
             with safe_open(entry.file, framework="pt") as f:
                 part = f.get_slice(key)[source] if entry.shape else f.get_tensor(key)
                 out[dest].copy_(part)
@@ -151,14 +204,14 @@ class Checkpoint:
         return out
 
 
-def _blocks(shard: TensorShard, shape: tuple[int, ...], itemsize: int):
+def _blocks(shard: TensorShard, shape: tuple[int, ...], itemsize: int, block_bytes: int):
     """(index into the checkpoint tensor, index into the rank's tensor) for each block of rows to read."""
     if not shape:
         yield (), ()
         return
     if shard.dim not in (None, 0, 1):
         raise AutotpError(f"autotp slices along dims 0 and 1, not {shard.dim}")
-    rows = max(1, CHUNK_BYTES // max(1, math.prod(shape[1:]) * itemsize))
+    rows = max(1, block_bytes // max(1, math.prod(shape[1:]) * itemsize))
     offset = 0
     for a, b in [(0, shape[0])] if shard.replicated else shard.reads():
         if shard.dim == 1:  # columns a:b of every row, into columns offset:offset+(b-a)

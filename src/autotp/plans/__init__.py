@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from autotp.errors import AutotpError
 from autotp.partition import HeadShard, assign_heads
 from autotp.styles import Style
 
@@ -53,6 +54,24 @@ class Plan:
 
     def is_attention(self, path: str) -> bool:
         return _matches(self.attention, path)
+
+
+def head_count(config, heads: str) -> int:
+    """config.<heads>, checked to be a positive integer: a count of 0 would otherwise surface as a
+    ZeroDivisionError in the head_dim division or the head assignment."""
+    n = getattr(config, heads)
+    if type(n) is not int or n < 1:
+        raise AutotpError(f"config.json gives {heads}={n!r}: a model needs at least 1 attention head")
+    return n
+
+
+def head_dim(config, hidden: str, heads: str) -> int:
+    """config.<hidden> // config.<heads>, for configs whose heads split the hidden size evenly."""
+    n, size = head_count(config, heads), getattr(config, hidden)
+    if size % n:
+        raise AutotpError(f"config.json gives {hidden}={size}, which does not split into {heads}={n} heads "
+                          f"of equal size ({size} % {n} = {size % n})")
+    return size // n
 
 
 def _matches(pattern: str, path: str) -> bool:

@@ -9,7 +9,7 @@ model computes one bias per global head and the attention views it with the per-
 """
 
 from autotp.errors import AutotpError
-from autotp.plans import Plan
+from autotp.plans import Plan, head_dim
 from autotp.styles import Colwise, FusedQKV, Rowwise, Vocab, VocabHead
 
 
@@ -28,7 +28,7 @@ def plan(config) -> Plan:
         family="falcon",
         num_heads=heads,
         num_kv_heads=kv_heads,
-        head_dim=config.hidden_size // heads,
+        head_dim=head_dim(config, "hidden_size", "num_attention_heads"),
         layers={
             "transformer.word_embeddings": Vocab(),
             "transformer.h.*.self_attention.query_key_value": FusedQKV(layout=layout),

@@ -7,7 +7,7 @@ reads `num_heads`/`embed_dim` nowhere else in the forward; all three are set per
 """
 
 from autotp.errors import AutotpError
-from autotp.plans import Plan
+from autotp.plans import Plan, head_dim
 from autotp.styles import Colwise, FusedQKV, Rowwise, Vocab, VocabHead
 
 
@@ -19,7 +19,7 @@ def plan(config) -> Plan:
         family="gpt2",
         num_heads=heads,
         num_kv_heads=heads,
-        head_dim=config.n_embd // heads,
+        head_dim=head_dim(config, "n_embd", "n_head"),
         layers={
             "transformer.wte": Vocab(),
             "transformer.h.*.attn.c_attn": FusedQKV(layout="blocks"),

@@ -9,7 +9,7 @@ column-parallel; wte/lm_head (tied) are vocab-parallel; wpe and the layer norms 
 """
 
 from autotp.errors import AutotpError
-from autotp.plans import Plan
+from autotp.plans import Plan, head_dim
 from autotp.styles import Colwise, FusedQKV, Rowwise, Vocab, VocabHead
 
 
@@ -21,7 +21,7 @@ def plan(config) -> Plan:
         family="gpt_bigcode",
         num_heads=config.n_head,
         num_kv_heads=kv_heads,
-        head_dim=config.n_embd // config.n_head,
+        head_dim=head_dim(config, "n_embd", "n_head"),
         layers={
             "transformer.wte": Vocab(),
             "transformer.h.*.attn.c_attn": FusedQKV(layout="blocks" if config.multi_query else "grouped"),

@@ -5,7 +5,7 @@ views it as (-1, 3*head_size) and chunks, so no per-rank attribute is needed. GP
 and out_proj, viewed with -1 heads; its lm_head has a bias, split with the vocabulary rows.
 """
 
-from autotp.plans import Plan
+from autotp.plans import Plan, head_dim
 from autotp.styles import Colwise, FusedQKV, Rowwise, Vocab, VocabHead
 
 
@@ -15,7 +15,7 @@ def plan(config) -> Plan:
         family="gpt_neox",
         num_heads=heads,
         num_kv_heads=heads,
-        head_dim=config.hidden_size // heads,
+        head_dim=head_dim(config, "hidden_size", "num_attention_heads"),
         layers={
             "gpt_neox.embed_in": Vocab(),
             "gpt_neox.layers.*.attention.query_key_value": FusedQKV(layout="grouped"),
@@ -35,7 +35,7 @@ def gptj_plan(config) -> Plan:
         family="gptj",
         num_heads=heads,
         num_kv_heads=heads,
-        head_dim=config.n_embd // heads,
+        head_dim=head_dim(config, "n_embd", "n_head"),
         layers={
             "transformer.wte": Vocab(),
             "transformer.h.*.attn.q_proj": Colwise(split="q_heads"),

@@ -25,7 +25,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from autotp.errors import AutotpError
-from autotp.plans import Plan
+from autotp.plans import Plan, head_count, head_dim
 from autotp.skeleton import skeleton
 from autotp.styles import Colwise, Rowwise, Style, Vocab, VocabHead
 
@@ -39,11 +39,12 @@ KV_NAME = re.compile(r"(k|v|key|value)(_proj)?$")
 
 def _sizes(config) -> tuple[int, int, int, int]:
     try:
-        heads, hidden = config.num_attention_heads, config.hidden_size
+        heads, hidden = head_count(config, "num_attention_heads"), config.hidden_size
     except AttributeError as e:
         raise AutotpError(f"cannot infer a plan for {config.model_type!r}: its config has no {e.name}") from None
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    return heads, kv_heads, getattr(config, "head_dim", None) or hidden // heads, hidden
+    d = getattr(config, "head_dim", None) or head_dim(config, "hidden_size", "num_attention_heads")
+    return heads, kv_heads, d, hidden
 
 
 def _in_out(m: nn.Module) -> tuple[int, int]:

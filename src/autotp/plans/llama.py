@@ -7,7 +7,7 @@ heads and the KV heads they use (KV heads replicated when kv_heads < tp). The fa
 the MLP, listed per family below: gated gate_proj/up_proj -> down_proj, or StarCoder2's c_fc -> c_proj.
 """
 
-from autotp.plans import Plan
+from autotp.plans import Plan, head_count, head_dim
 from autotp.styles import Colwise, Rowwise, Vocab, VocabHead
 
 GATED = {"mlp.gate_proj": Colwise(), "mlp.up_proj": Colwise(), "mlp.down_proj": Rowwise()}
@@ -34,10 +34,9 @@ ATTENTION = {
 
 def head_counts(config) -> tuple[int, int, int]:
     """(query heads, KV heads, head_dim) of a Llama-style config; head_dim may be set apart from hidden_size."""
-    heads = config.num_attention_heads
+    heads = head_count(config, "num_attention_heads")
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return heads, kv_heads, head_dim
+    return heads, kv_heads, getattr(config, "head_dim", None) or head_dim(config, "hidden_size", "num_attention_heads")
 
 
 def plan(config) -> Plan:

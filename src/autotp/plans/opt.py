@@ -4,7 +4,7 @@ OPTAttention views its projections with `self.num_heads` (per rank). project_in/
 word_embed_proj_dim != hidden_size) are small and replicated; lm_head is tied to embed_tokens.
 """
 
-from autotp.plans import Plan
+from autotp.plans import Plan, head_dim
 from autotp.styles import Colwise, Rowwise, Vocab, VocabHead
 
 
@@ -15,7 +15,7 @@ def plan(config) -> Plan:
         family="opt",
         num_heads=heads,
         num_kv_heads=heads,
-        head_dim=config.hidden_size // heads,
+        head_dim=head_dim(config, "hidden_size", "num_attention_heads"),
         layers={
             "model.decoder.embed_tokens": Vocab(),
             f"{layer}.self_attn.q_proj": Colwise(split="q_heads"),
