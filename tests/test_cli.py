@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -130,7 +131,38 @@ def test_bad_flags_are_one_line(checkpoint):
 def test_a_failing_rank_stops_every_rank(checkpoint):
     model_dir, _ = checkpoint("mqa12")
     start = time.monotonic()
-    out = torchrun(2, "generate", "--model", model_dir, "--input-ids", "1,2", script=str(Path(__file__).parent /
-                                                                                           "fault_rank1.py"))
+    # a generation that fits the 64-position context, so that rank 0 passes validation and waits for rank 1
+    out = torchrun(2, "generate", "--model", model_dir, "--input-ids", "1,2", "--max-new-tokens", "8",
+                   script=str(Path(__file__).parent / "fault_rank1.py"))
     assert out.returncode != 0 and time.monotonic() - start < 60
-    assert "autotp: error on rank 1: RuntimeError: injected failure on rank 1" in out.stderr
+    assert "autotp: error on rank 1: RuntimeError: injected failure on rank 1" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("ids, bad", [("3,101", 101), ("99999", 99999), ("-1", -1)])
+def test_generate_refuses_ids_outside_the_vocabulary_before_loading(checkpoint, capsys, ids, bad):
+    from autotp.cli import main
+
+    assert main(["generate", "--model", checkpoint("mqa12")[0], "--input-ids", ids, "--max-new-tokens", "4"]) == 2
+    assert error_lines(capsys.readouterr().err) == [
+        f"autotp: error: token id {bad} is outside the model's vocabulary of 101 ids (0 to 100)"]
+
+
+def test_generate_names_a_config_json_that_is_a_list(tmp_path, capsys):
+    """AutoTokenizer reads config.json before the model does: the error must still be autotp's."""
+    from autotp.cli import main
+
+    (tmp_path / "config.json").write_text("[]")
+    assert main(["generate", "--model", str(tmp_path), "--input-ids", "1"]) == 2
+    assert error_lines(capsys.readouterr().err) == [
+        f"autotp: error: {tmp_path / 'config.json'} is a JSON list, not an object of config fields"]
+
+
+def test_an_error_raised_by_transformers_on_every_rank_is_printed_once(tmp_path, checkpoint):
+    """A typo in config.json that only transformers notices, as it builds the model on every rank."""
+    model_dir = tmp_path / "m"
+    shutil.copytree(checkpoint("mqa12")[0], model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps(config | {"activation_function": "gelu_typo"}))
+    out = torchrun(2, "generate", "--model", str(model_dir), "--input-ids", "1,2")
+    assert out.returncode != 0
+    assert error_lines(out.stderr) == ["autotp: error: KeyError: 'gelu_typo'"], out.stderr

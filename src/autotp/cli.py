@@ -1,8 +1,7 @@
 """Command line: `autotp plan` (no processes, no weights), `autotp generate` and `autotp serve` (under torchrun).
 
 Thin by design: argparse, then the library by keyword. Bad input ends in one line on stderr and a
-non-zero exit: AutotpError (the same on every rank) is printed by rank 0; any other failure is printed
-by the rank it happened on.
+non-zero exit, printed by rank 0 when every rank fails alike, and by the rank it happened on otherwise.
 """
 
 from __future__ import annotations
@@ -76,12 +75,13 @@ def cmd_generate(args) -> int:
     import torch
 
     import autotp
-    from autotp.api import resolve_model_dir
-    from autotp.generate import fim_prompt, generate
+    from autotp.api import load_config, resolve_model_dir
+    from autotp.generate import check_ids, fim_prompt, generate
 
     if (args.prompt is None) == (args.input_ids is None):
         raise AutotpError("give exactly one of --prompt and --input-ids")
     model_dir = resolve_model_dir(args.model or default_model())
+    config = load_config(model_dir)  # before AutoTokenizer, which reads config.json too and fails on a bad one
     tokenizer = _tokenizer(args, model_dir)
     if args.suffix is not None:
         if tokenizer is None or args.prompt is None:
@@ -92,6 +92,7 @@ def cmd_generate(args) -> int:
     ids = torch.tensor([args.input_ids]) if text is None else tokenizer(text, return_tensors="pt").input_ids
     if ids.numel() == 0:
         raise AutotpError("the prompt is empty")
+    check_ids(config, ids)  # generate() checks again; here it fails before the weights are read
 
     model = autotp.from_pretrained(model_dir, dtype=args.dtype, device=args.device)
     if text is not None and args.prompt is not None and not args.json and args.suffix is None:
@@ -178,20 +179,23 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except AutotpError as e:
-        # Every rank raises the same validation error: rank 0 says it. Another rank speaks only if it is
-        # still alive after a grace period, i.e. when rank 0 did not fail (the launcher stops the others).
-        if distributed.rank() != 0:
-            time.sleep(3)
-        return distributed.fail(str(e), code=2)
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # output piped into `head`
         return 0
     except Exception as e:  # noqa: BLE001 - one line per failure, the traceback on request
-        if os.environ.get("AUTOTP_DEBUG"):
-            traceback.print_exc()
-        return distributed.fail(f"{type(e).__name__}: {e}".splitlines()[0], code=1)
+        if isinstance(e, AutotpError):
+            message, code = str(e), 2
+        else:
+            if os.environ.get("AUTOTP_DEBUG"):
+                traceback.print_exc()
+            message, code = f"{type(e).__name__}: {e}".splitlines()[0], 1
+        # Bad input fails alike on every rank, whether autotp's checks or transformers notice it: rank 0
+        # says it. Another rank speaks only if it is still alive after a grace period, i.e. when rank 0
+        # did not fail (the launcher stops the others), so a failure of its own is still reported.
+        if distributed.rank() != 0:
+            time.sleep(3)
+        return distributed.fail(message, code=code)
     finally:
         distributed.shutdown()
 
