@@ -8,7 +8,9 @@ LOCAL_RANK, CPU ranks use gloo. A plain single process, with no WORLD_SIZE, is t
 from __future__ import annotations
 
 import os
+import socket
 import sys
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -16,6 +18,9 @@ import torch
 import torch.distributed as dist
 
 from autotp.errors import AutotpError
+
+RENDEZVOUS_TIMEOUT_S = 300  # how long rank 0 waits for the others to start (AUTOTP_RENDEZVOUS_TIMEOUT)
+WAIT_NOTICE_S = 5  # after this, rank 0 says what it is waiting for
 
 
 @dataclass(frozen=True)
@@ -27,7 +32,7 @@ class Dist:
     group: dist.ProcessGroup | None  # None when world_size == 1
 
 
-def _env_int(name: str, default: int) -> int:
+def _env_int(name: str, default: int | None) -> int | None:
     value = os.environ.get(name)
     try:
         return default if value is None else int(value)
@@ -35,46 +40,148 @@ def _env_int(name: str, default: int) -> int:
         raise AutotpError(f"environment variable {name}={value!r} is not an integer") from None
 
 
-def resolve_device(device: str | torch.device | None, local_rank: int) -> torch.device:
-    """cuda:LOCAL_RANK when CUDA is present (or asked for), else cpu."""
+def resolve_device(device: str | torch.device | None, local_rank: int | None,
+                   bound: torch.device | None = None) -> torch.device:
+    """The device this rank runs on: cuda:LOCAL_RANK when CUDA is present (or asked for), else cpu.
+
+    Never the global rank: on a second node, rank 4 may own cuda:0. With one visible GPU (a launcher
+    that sets CUDA_VISIBLE_DEVICES per rank) every rank's GPU is cuda:0. `bound` is the GPU a process
+    group the user made is bound to (init_process_group(device_id=...)): a request that disagrees
+    with it is an error, not a second device.
+    """
     if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = bound or ("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(device)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise AutotpError("device 'cuda' was asked for but torch sees no CUDA device")
-        if device.index is None:
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
+        raise AutotpError("device 'cuda' was asked for but torch sees no CUDA device")
+    count = torch.cuda.device_count()
+    if device.index is None:
+        if count == 1:
+            device = torch.device("cuda", 0)
+        elif local_rank is None:
+            raise AutotpError(f"LOCAL_RANK is not set, so this rank cannot tell which of the {count} GPUs is its "
+                              "own: launch with torchrun or deepspeed (they set it), or pass device='cuda:N'")
+        else:
             device = torch.device("cuda", local_rank)
-        if device.index >= torch.cuda.device_count():
-            raise AutotpError(f"LOCAL_RANK {local_rank} has no GPU: torch sees {torch.cuda.device_count()}")
+    if device.index >= count:
+        owner = f"LOCAL_RANK {local_rank}" if local_rank is not None else "this rank"
+        raise AutotpError(f"{owner} wants {device}, but torch sees {count} GPU{'s' * (count != 1)}")
+    if bound is not None and device != bound:
+        raise AutotpError(f"device {device} was asked for, but this rank's process group is bound to {bound}")
     return device
 
 
-def init(device: str | torch.device | None = None, timeout_s: float | None = None) -> Dist:
-    """Join (or reuse) the default process group described by the environment."""
-    if dist.is_initialized():
-        rank, world = dist.get_rank(), dist.get_world_size()
-        local_rank = _env_int("LOCAL_RANK", rank)
-        if device is None and dist.get_backend() == "gloo":
-            device = "cpu"
-        group = dist.group.WORLD if world > 1 else None
-        return Dist(rank, world, local_rank, resolve_device(device, local_rank), group)
+def shared_gpus(placements: list[tuple[str, str]]) -> list[list[int]]:
+    """placements[rank] = (host, device) -> the groups of ranks that would share one GPU."""
+    owners: dict[tuple[str, str], list[int]] = {}
+    for rank, (host, device) in enumerate(placements):
+        if device.startswith("cuda"):
+            owners.setdefault((host, device), []).append(rank)
+    return [ranks for ranks in owners.values() if len(ranks) > 1]
 
-    world = _env_int("WORLD_SIZE", 1)
-    rank, local_rank = _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
-    dev = resolve_device(device, local_rank)
-    if world == 1:
-        return Dist(0, 1, 0, dev, None)
-    for name in ("MASTER_ADDR", "MASTER_PORT"):
-        if name not in os.environ:
-            raise AutotpError(f"WORLD_SIZE={world} but {name} is not set: launch with torchrun or deepspeed")
-    timeout = timedelta(seconds=timeout_s or float(os.environ.get("AUTOTP_TIMEOUT", 600)))
+
+def _check_one_gpu_per_rank(device: torch.device, group) -> None:
+    """Two ranks on one GPU run (NCCL may even hang): say so on every rank instead."""
+    placements: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(placements, (socket.gethostname(), str(device)), group=group)
+    clashes = shared_gpus(placements)
+    if clashes:
+        ranks = clashes[0]
+        raise AutotpError(f"ranks {', '.join(map(str, ranks))} all run on {placements[ranks[0]][1]} of "
+                          f"{placements[ranks[0]][0]}: give each rank its own GPU (device='cuda' picks LOCAL_RANK's)")
+
+
+def _rendezvous(rank: int, world: int, timeout: timedelta) -> dist.Store | None:
+    """Wait for all `world` ranks at MASTER_ADDR:MASTER_PORT, saying on rank 0 what it waits for.
+
+    torch's own env:// rendezvous waits silently for the whole collective timeout when a rank never
+    starts. Here rank 0 hosts the store, counts who joined, prints one line after WAIT_NOTICE_S and
+    gives up after AUTOTP_RENDEZVOUS_TIMEOUT. Under torchrun (agent store) torchrun has done this wait
+    already: None, and init_process_group rendezvouses as usual.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return None
+    addr, port = os.environ["MASTER_ADDR"], _env_int("MASTER_PORT", 0)
+    wait_s = float(os.environ.get("AUTOTP_RENDEZVOUS_TIMEOUT", RENDEZVOUS_TIMEOUT_S))
+    try:
+        store = dist.TCPStore(addr, port, world, is_master=rank == 0, timeout=timedelta(seconds=wait_s),
+                              wait_for_workers=False)
+    except (RuntimeError, OSError) as e:  # DistStoreError / DistNetworkError are RuntimeErrors
+        where = "host the rendezvous" if rank == 0 else "reach rank 0"
+        raise AutotpError(f"rank {rank} cannot {where} at {addr}:{port} within {wait_s:.0f} s "
+                          f"(AUTOTP_RENDEZVOUS_TIMEOUT): {str(e).splitlines()[0]}") from None
+    joined = store.add("autotp/joined", 1)
+    start, noticed = time.monotonic(), False
+    while rank == 0 and joined < world:
+        waited = time.monotonic() - start
+        if waited > wait_s:
+            raise AutotpError(f"only {joined} of {world} ranks joined at {addr}:{port} within {wait_s:.0f} s "
+                              f"(AUTOTP_RENDEZVOUS_TIMEOUT): start all {world} processes, e.g. with "
+                              f"torchrun --nproc-per-node {world}")
+        if waited > WAIT_NOTICE_S and not noticed:
+            print(f"autotp: waiting for {world - joined} of {world} ranks at {addr}:{port}", file=sys.stderr,
+                  flush=True)
+            noticed = True
+        time.sleep(0.05)
+        joined = store.add("autotp/joined", 0)
+    store.set_timeout(timeout)
+    return store
+
+
+def init(device: str | torch.device | None = None, timeout_s: float | None = None) -> Dist:
+    """Join (or reuse) the default process group described by the environment; the rank's GPU, if it has
+    one, becomes the current CUDA device (object collectives and NCCL barriers use the current one)."""
+    local_rank = _env_int("LOCAL_RANK", None)
+    existing = dist.is_initialized()
+    if existing:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        bound = getattr(dist.distributed_c10d._get_default_group(), "bound_device_id", None)
+        if device is None and bound is None and dist.get_backend() == "gloo":
+            device = "cpu"
+        dev = resolve_device(device, local_rank, bound)
+    else:
+        world, rank = _env_int("WORLD_SIZE", 1), _env_int("RANK", 0)
+        dev = resolve_device(device, local_rank if world > 1 else 0)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-        dist.init_process_group("nccl", timeout=timeout, device_id=dev)
-    else:
-        dist.init_process_group("gloo", timeout=timeout)
-    return Dist(rank, world, local_rank, dev, dist.group.WORLD)
+    if world == 1:
+        return Dist(rank, 1, 0, dev, None)
+    if not existing:
+        for name in ("MASTER_ADDR", "MASTER_PORT"):
+            if name not in os.environ:
+                raise AutotpError(f"WORLD_SIZE={world} but {name} is not set: launch with torchrun or deepspeed")
+        timeout = timedelta(seconds=timeout_s or float(os.environ.get("AUTOTP_TIMEOUT", 600)))
+        store = _rendezvous(rank, world, timeout)
+        kwargs = {} if store is None else dict(store=store, rank=rank, world_size=world)
+        if dev.type == "cuda":
+            dist.init_process_group("nccl", timeout=timeout, device_id=dev, **kwargs)
+        else:
+            dist.init_process_group("gloo", timeout=timeout, **kwargs)
+    if dev.type == "cuda":
+        _check_one_gpu_per_rank(dev, dist.group.WORLD)
+    return Dist(rank, world, 0 if local_rank is None else local_rank, dev, dist.group.WORLD)
+
+
+def sync_random_state(env: Dist) -> None:
+    """Give every rank rank 0's CPU (and current CUDA device's) random state.
+
+    Each process starts from its own random seed (torch >= 2.13 seeds from the OS), so a user's unseeded
+    `generate(do_sample=True)` would draw different tokens on each rank and the all-reduces would then
+    mix partial sums of different sequences. After this, unseeded sampling agrees on every rank, and a
+    user's `torch.manual_seed(s)` (the same s everywhere) still agrees as before.
+    """
+    if env.group is None:
+        return
+    wire = env.device if dist.get_backend(env.group) == "nccl" else torch.device("cpu")
+    states = [(torch.get_rng_state, torch.set_rng_state)]
+    if env.device.type == "cuda":
+        states.append((torch.cuda.get_rng_state, torch.cuda.set_rng_state))
+    for get, put in states:
+        state = get().to(wire)
+        dist.broadcast(state, src=0, group=env.group)
+        put(state.cpu())
 
 
 def rank() -> int:
