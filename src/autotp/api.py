@@ -20,6 +20,8 @@ from transformers import AutoConfig
 
 from autotp import distributed
 from autotp.errors import AutotpError
+from autotp.guard import InputGuard
+from autotp.hub import resolve_model_dir
 from autotp.loader import Checkpoint
 from autotp.plans import Plan, plan_for
 from autotp.shard import parallelize
@@ -45,32 +47,6 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     if dtype not in DTYPES:
         raise AutotpError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     return DTYPES[dtype]
-
-
-WEIGHT_FILES = ["*.json", "*.safetensors", "*.txt", "*.model"]
-
-
-def resolve_model_dir(model: str | os.PathLike, patterns: list[str] = WEIGHT_FILES) -> Path:
-    """A local directory as is; otherwise a hub id, fetched (config, tokenizer, safetensors) into the
-    huggingface_hub cache by one process per node while the others wait. HF_HUB_OFFLINE=1 is honoured."""
-    path = Path(model)
-    if path.is_dir():
-        return path
-    if path.exists() or str(model).count("/") > 1 or str(model).startswith((".", "/", "~")):
-        raise AutotpError(f"model {str(model)!r} is not a directory")
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
-
-    try:
-        if int(os.environ.get("LOCAL_RANK", 0)) == 0:
-            local = snapshot_download(str(model), allow_patterns=patterns)
-        if torch.distributed.is_initialized():
-            torch.distributed.barrier()
-        if int(os.environ.get("LOCAL_RANK", 0)) != 0:
-            local = snapshot_download(str(model), allow_patterns=patterns, local_files_only=True)
-    except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError) as e:
-        raise AutotpError(f"cannot find model {str(model)!r} locally or on the hub: {type(e).__name__}") from None
-    return Path(local)
 
 
 def load_config(model_dir: Path):
@@ -113,11 +89,12 @@ def _param_bytes(model: nn.Module) -> int:
 
 
 def from_pretrained(model: str | os.PathLike, dtype: str | torch.dtype | None = None, tp_size: int | None = None,
-                    device: str | torch.device | None = None) -> nn.Module:
+                    device: str | torch.device | None = None, check_inputs: bool = True) -> nn.Module:
     """Load this rank's shard of a safetensors causal LM; every rank reads only its own slices.
 
-    model: a local directory or a hub id. dtype: None keeps the checkpoint's floating dtype.
-    tp_size: defaults to WORLD_SIZE (must equal it). device: defaults to cuda:LOCAL_RANK or cpu.
+    model: a local directory or a hub id (downloaded once per node). dtype: None keeps the checkpoint's
+    floating dtype. tp_size: defaults to WORLD_SIZE (must equal it). device: defaults to
+    cuda:LOCAL_RANK or cpu. check_inputs: raise when ranks feed different input ids (autotp.guard).
     """
     dtype = parse_dtype(dtype)
     env = distributed.init(device)
@@ -143,20 +120,39 @@ def from_pretrained(model: str | os.PathLike, dtype: str | torch.dtype | None = 
     progress.close()
     net.to(env.device)
     net.autotp = ShardInfo(plan.family, tp, env.rank, _param_bytes(net), ckpt.bytes_read)
+    _finish(net, env, check_inputs)
     return net
 
 
-class InferenceEngine:
-    """What `init_inference` returns: DeepSpeed scripts use `.module`; calls pass through to it."""
+def _finish(model: nn.Module, env: distributed.Dist, check_inputs: bool) -> None:
+    """What every sharded model gets last: rank 0's random state on every rank (so a user's own
+    unseeded sampling agrees), and the guard against ranks that feed different inputs anyway."""
+    distributed.sync_random_state(env)
+    if check_inputs and env.group is not None:
+        model.register_forward_pre_hook(InputGuard(env.group, env.device), with_kwargs=True)
+
+
+class InferenceEngine(nn.Module):
+    """What `init_inference` returns, like DeepSpeed's engine: an nn.Module whose forward is the model's and
+    whose attribute reads fall through to it, so `engine.module`, `engine(ids)`, `engine.generate(...)`,
+    `engine.config`, `engine.device` and DeepSpeed's tutorial `pipe.model = init_inference(pipe.model, ...)`
+    all work."""
 
     def __init__(self, module: nn.Module):
+        super().__init__()
         self.module = module
 
-    def __call__(self, *args, **kwargs):
+    def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
     def generate(self, *args, **kwargs):
         return self.module.generate(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)  # parameters, buffers, submodules (`module`)
+        except AttributeError:
+            return getattr(self._modules["module"], name)
 
 
 DEEPSPEED_IGNORED = {"replace_with_kernel_inject", "replace_method", "injection_policy", "max_out_tokens",
@@ -165,7 +161,7 @@ DEEPSPEED_IGNORED = {"replace_with_kernel_inject", "replace_method", "injection_
 
 def init_inference(model: nn.Module, mp_size: int | None = None, tensor_parallel=None,
                    dtype: str | torch.dtype | None = None, device: str | torch.device | None = None,
-                   **kwargs) -> InferenceEngine:
+                   check_inputs: bool = True, **kwargs) -> InferenceEngine:
     """Shard an already-loaded HF model in place, DeepSpeed-style.
 
     Accepts DeepSpeed's call shapes: `init_inference(model, mp_size=4)` and
@@ -194,4 +190,5 @@ def init_inference(model: nn.Module, mp_size: int | None = None, tensor_parallel
     parallelize(model, plan, env.rank, tp, env.group, load)
     model.to(env.device)
     model.autotp = ShardInfo(plan.family, tp, env.rank, _param_bytes(model))
+    _finish(model, env, check_inputs)
     return InferenceEngine(model)

@@ -98,11 +98,17 @@ def parallelize(model: nn.Module, plan: Plan, rank: int, tp: int, group, load: L
             done[key] = nn.Parameter(load(aliases[key], shards[key], param), requires_grad=False)
         return done[key]
 
-    for path, module, style in _planned_modules(model, plan):
+    def swap(path: str, style) -> None:
+        module = model.get_submodule(path)
         new = style.build(module, style.shards(module, ctx), ctx, group)
         for pname, param in module.named_parameters(recurse=False):
             setattr(new, pname, per_rank(f"{path}.{pname}", param))
         model.set_submodule(path, new)
+
+    # paths only, each module looked up (and its full weights released) in its turn: a list holding the
+    # modules kept every full weight alive until the last swap (init_inference at tp 1 held 2x the model)
+    for path, style in [(path, style) for path, _, style in _planned_modules(model, plan)]:
+        swap(path, style)
 
     for name, param in list(model.named_parameters(remove_duplicate=False)):
         if done.get(first[name]) is not param:

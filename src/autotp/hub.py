@@ -1,0 +1,110 @@
+"""Model directories: a local directory as is, a hub id downloaded once per node.
+
+On a node, LOCAL_RANK 0 downloads into the huggingface_hub cache while the node's other ranks wait,
+then every rank reads the cached files. The wait does not use a collective (its timeout, 600 s by
+default, is shorter than a first 31 GB download): the downloader publishes, through the process group's
+key-value store, how many bytes have arrived so far and finally "ok" or its error. A waiter waits as long
+as that byte count keeps moving, and gives up only after AUTOTP_DOWNLOAD_STALL_TIMEOUT seconds with no
+progress. A failed download is the same one-line error on every rank. HF_HUB_OFFLINE=1 is honoured.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from autotp.errors import AutotpError
+
+WEIGHT_FILES = ["*.json", "*.safetensors", "*.txt", "*.model"]
+STALL_TIMEOUT_S = 300  # no new byte for this long: the download is stuck (AUTOTP_DOWNLOAD_STALL_TIMEOUT)
+BEAT_S = 0.5  # how often the downloader publishes its byte count, and waiters look
+
+
+def resolve_model_dir(model: str | os.PathLike, patterns: list[str] = WEIGHT_FILES) -> Path:
+    """A local directory as is; otherwise a hub id, fetched (the files matching `patterns`) once per node."""
+    path = Path(model)
+    if path.is_dir():
+        return path
+    if path.exists() or str(model).count("/") > 1 or str(model).startswith((".", "/", "~")):
+        raise AutotpError(f"model {str(model)!r} is not a directory")
+    store = dist.distributed_c10d._get_default_store() if dist.is_initialized() and dist.get_world_size() > 1 \
+        else None
+    if store is None:
+        return _snapshot(str(model), patterns)
+    digest = hashlib.sha1(repr(sorted(patterns)).encode()).hexdigest()[:8]
+    key = f"autotp/hub/{socket.gethostname()}/{model}/{digest}"
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        return _download(store, key, str(model), patterns)
+    _wait(store, key, str(model))
+    return _snapshot(str(model), patterns, local_files_only=True)
+
+
+def _snapshot(repo_id: str, patterns: list[str], local_files_only: bool = False) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=local_files_only))
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError) as e:
+        detail = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+        raise AutotpError(f"cannot find model {repo_id!r} locally or on the hub: {type(e).__name__}"
+                          + (f": {detail}" if detail else "")) from None
+
+
+def _cached_bytes(repo_id: str) -> int:
+    """Bytes under the repo's folder of the hub cache, partial downloads included: the progress signal."""
+    from huggingface_hub import constants
+
+    root = Path(constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}"
+    total = 0
+    for folder, _, files in os.walk(root):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(folder, name)).st_size
+            except OSError:
+                pass  # renamed from .incomplete to its blob name between walk and stat
+    return total
+
+
+def _download(store, key: str, repo_id: str, patterns: list[str]) -> Path:
+    done = threading.Event()
+
+    def publish() -> None:
+        while not done.wait(BEAT_S):
+            store.set(f"{key}/bytes", str(_cached_bytes(repo_id)))
+
+    beat = threading.Thread(target=publish, daemon=True, name="autotp-download-progress")
+    beat.start()
+    try:
+        local = _snapshot(repo_id, patterns)
+    except AutotpError as e:
+        store.set(f"{key}/status", f"error:{e}")
+        raise
+    finally:
+        done.set()
+        beat.join()
+    store.set(f"{key}/status", "ok")
+    return local
+
+
+def _wait(store, key: str, repo_id: str) -> None:
+    """Until the node's downloader says "ok" (return) or fails (raise its error); raise after a stall."""
+    stall_s = float(os.environ.get("AUTOTP_DOWNLOAD_STALL_TIMEOUT", STALL_TIMEOUT_S))
+    seen, since = None, time.monotonic()
+    while not store.check([f"{key}/status"]):
+        progress = store.get(f"{key}/bytes") if store.check([f"{key}/bytes"]) else None
+        if progress != seen:
+            seen, since = progress, time.monotonic()
+        elif time.monotonic() - since > stall_s:
+            raise AutotpError(f"the download of {repo_id!r} by LOCAL_RANK 0 made no progress for {stall_s:.0f} s "
+                              "(AUTOTP_DOWNLOAD_STALL_TIMEOUT)")
+        time.sleep(BEAT_S)
+    status = store.get(f"{key}/status").decode()
+    if status != "ok":
+        raise AutotpError(status.removeprefix("error:"))
