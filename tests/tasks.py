@@ -79,3 +79,42 @@ def compiled_layers(model_dir: str) -> dict:
             compiled = torch.compile(module, backend="aot_eager", fullgraph=True)
             out[name] = torch.equal(compiled(x), module(x))
     return out
+
+
+def fresh_random_state() -> None:
+    """Each rank's own random seed, as a new process has (torch >= 2.13 seeds from the OS): the pool's ranks
+    may share a state left by an earlier test's seeded generate, which would hide a seeding bug."""
+    import random
+
+    torch.manual_seed(random.SystemRandom().randrange(2**63))
+
+
+def user_pipeline(model_dir: str, tp_kwargs: dict, prompt: str) -> str:
+    """The DeepSpeed seed script with autotp in its place, unseeded sampling through the user's pipeline."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+
+    fresh_random_state()
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    engine = autotp.init_inference(model=model, dtype=torch.float32, **tp_kwargs)
+    generator = pipeline("text-generation", model=engine.module, tokenizer=AutoTokenizer.from_pretrained(model_dir),
+                         device="cpu")
+    return generator(prompt, do_sample=True, max_new_tokens=24)[0]["generated_text"]
+
+
+def user_generate(model_dir: str, how: str, seed: int | None = None, seed_per_rank: bool = False) -> list:
+    """The user's own model.generate(do_sample=True) after from_pretrained or init_inference(tensor_parallel=...),
+    unseeded, seeded alike (torch.manual_seed(seed) on every rank) or seeded per rank (seed + rank)."""
+    from transformers import AutoModelForCausalLM
+
+    fresh_random_state()
+    if how == "from_pretrained":
+        model = autotp.from_pretrained(model_dir)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir)
+        autotp.init_inference(model, tensor_parallel={"tp_size": dist.get_world_size()})
+    if seed is not None:
+        torch.manual_seed(seed + (dist.get_rank() if seed_per_rank else 0))
+    ids = torch.tensor([[3, 17, 42, 8, 99, 51, 23]])
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, top_k=0,
+                              max_new_tokens=24, pad_token_id=0).tolist()

@@ -1,0 +1,156 @@
+"""The user's own scripts, as they run them: their generate/pipeline with no seed, DeepSpeed's call patterns,
+a process group they made, a hub id on an empty cache, a rank seeded differently from the others.
+
+The pool tests run on the embedded demo model (a real tokenizer and real text, as in the bug report); every
+task starts from a per-rank random state, as a fresh process has.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from pool import RankError, free_port
+from standin_hub import StandinHub
+from tasks import user_generate, user_pipeline
+
+import autotp
+from autotp.cli import default_model
+
+SCRIPTS = Path(__file__).parent / "user_scripts"
+DEMO = default_model()
+
+
+def torchrun(n: int, *args, env: dict | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--master-port",
+           str(free_port()), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+def rank_outputs(out: Path, n: int) -> list:
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(n)]
+
+
+@pytest.mark.parametrize("tp, tp_kwargs", [(2, {"mp_size": 2}), (4, {"mp_size": 4})])
+def test_unseeded_pipeline_after_init_inference_agrees_on_every_rank(pools, tp, tp_kwargs):
+    texts = pools(tp).run(user_pipeline, DEMO, tp_kwargs, "DeepSpeed is")
+    assert len(set(texts)) == 1, texts
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("how", ["from_pretrained", "tensor_parallel"])
+def test_unseeded_generate_agrees_on_every_rank(pools, tp, how):
+    tokens = pools(tp).run(user_generate, DEMO, how)
+    assert all(t == tokens[0] for t in tokens) and len(tokens[0][0]) == 7 + 24, tokens
+
+
+def test_the_same_seed_everywhere_gives_tp_1s_text(pools):
+    expected = user_generate(DEMO, "from_pretrained", seed=11)  # this process: tp 1, no process group
+    assert pools(2).run(user_generate, DEMO, "from_pretrained", 11) == [expected, expected]
+
+
+def test_sharding_draws_no_random_numbers():
+    model = autotp.from_pretrained(DEMO)
+    torch.manual_seed(3)
+    before = torch.get_rng_state()
+    autotp.init_inference(type(model).from_pretrained(DEMO))
+    autotp.from_pretrained(DEMO)
+    assert torch.equal(before, torch.get_rng_state())
+
+
+def test_ranks_seeded_differently_fail_loudly(pools):
+    """torch.manual_seed(rank): the ranks sample different tokens; the guard stops them at that step."""
+    results = pools(2).run(user_generate, DEMO, "from_pretrained", 100, True, errors=True)
+    for r in results:
+        assert isinstance(r, RankError) and isinstance(r.exc, autotp.AutotpError), results
+        assert "ranks fed different input ids to forward call" in str(r.exc)
+        assert "rank 1 disagree with rank 0" in str(r.exc)
+        assert "forward call 1 " not in str(r.exc)  # the prompt agrees; a sampled token does not
+    assert pools(2).run(user_generate, DEMO, "from_pretrained", 5)  # the pool is still in lockstep
+
+
+def test_deepspeed_tutorial_pattern(tmp_path):
+    """pipe.model = init_inference(pipe.model, tensor_parallel=..., replace_with_kernel_inject=True); pipe(...)."""
+    out = torchrun(2, str(SCRIPTS / "ds_tutorial.py"), DEMO, str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    texts = rank_outputs(tmp_path, 2)
+    assert texts[0] == texts[1] and texts[0].startswith("def print_hello_world():")
+
+
+def test_engine_forwards_like_deepspeeds():
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(DEMO)
+    engine = autotp.init_inference(model, mp_size=1)
+    assert isinstance(engine, torch.nn.Module) and engine.module is model
+    assert engine.config is model.config and engine.generation_config is model.generation_config
+    assert engine.device == torch.device("cpu") and engine.eval() is engine and engine.to("cpu") is engine
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        assert torch.equal(engine(ids).logits, model(ids).logits)
+    assert torch.equal(engine.generate(ids, max_new_tokens=4, do_sample=False),
+                       model.generate(ids, max_new_tokens=4, do_sample=False))
+    with pytest.raises(AttributeError, match="no_such_attribute"):
+        _ = engine.no_such_attribute
+
+
+def _demo_hub(delay_s: float = 0.0) -> StandinHub:
+    return StandinHub({"autotp/demo": Path(DEMO)}, delay_s=delay_s)  # started by `with`
+
+
+def _hub_env(hub: StandinHub, home: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_", "TRANSFORMERS_"))}
+    return {**env, "HF_ENDPOINT": hub.url, "HF_HOME": str(home)}
+
+
+def test_hub_id_on_an_empty_cache_downloads_once_while_the_other_rank_waits(tmp_path):
+    """A slow first download (longer than the process-group timeout) at tp 2: one download, both ranks load."""
+    with _demo_hub(delay_s=12) as hub:
+        env = {**_hub_env(hub, tmp_path / "hf"), "AUTOTP_TIMEOUT": "8"}
+        start = time.monotonic()
+        out = torchrun(2, "-m", "autotp", "generate", "--model", "autotp/demo", "--prompt", "def add(a, b):",
+                       "--max-new-tokens", "8", "--json", env=env)
+        took = time.monotonic() - start
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert json.loads(out.stdout)["text"] is not None
+        bodies = [r for r in hub.requests if r.startswith("GET /autotp/demo/resolve/")]
+        assert len(bodies) == len(set(bodies)) >= 4, hub.requests  # every file once: one download per node
+        assert took > 12, took
+
+
+def test_own_process_group_and_a_hub_id_in_a_user_script(tmp_path):
+    with _demo_hub() as hub:
+        out = torchrun(2, str(SCRIPTS / "own_group.py"), "autotp/demo", str(tmp_path),
+                       env=_hub_env(hub, tmp_path / "hf"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    tokens = rank_outputs(tmp_path, 2)
+    assert tokens[0] == tokens[1] and len(tokens[0][0]) == 4 + 16
+
+
+def test_a_hub_id_that_does_not_exist_is_one_error(tmp_path):
+    with _demo_hub() as hub:
+        out = torchrun(2, "-m", "autotp", "generate", "--model", "autotp/missing", "--prompt", "x",
+                       env=_hub_env(hub, tmp_path / "hf"), timeout=120)
+    lines = [line for line in out.stderr.splitlines() if line.startswith("autotp: error")]
+    assert out.returncode != 0 and len(lines) == 1, out.stderr[-3000:]
+    assert lines[0].startswith("autotp: error: cannot find model 'autotp/missing' locally or on the hub: "
+                               "RepositoryNotFoundError")
+
+
+def test_a_rank_that_never_starts_is_named_not_waited_for(tmp_path):
+    """WORLD_SIZE=2 with one process: rank 0 says what it waits for, then gives up (not after 600 s)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "AUTOTP_RENDEZVOUS_TIMEOUT": "8"}
+    out = subprocess.run([sys.executable, "-m", "autotp", "generate", "--input-ids", "1,2"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    port = env["MASTER_PORT"]
+    assert out.returncode == 2
+    assert out.stderr.splitlines() == [
+        f"autotp: waiting for 1 of 2 ranks at 127.0.0.1:{port}",
+        f"autotp: error: only 1 of 2 ranks joined at 127.0.0.1:{port} within 8 s (AUTOTP_RENDEZVOUS_TIMEOUT): "
+        "start all 2 processes, e.g. with torchrun --nproc-per-node 2"]
