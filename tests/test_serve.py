@@ -14,77 +14,16 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.request
-from pathlib import Path
 
 import fim_model
 import openai
 import pytest
 from pool import free_port
+from serve_harness import ENV, Server, alive
 
 from autotp.serve_batch import cut_at_stop
 from autotp.serve_engine import TextStream
-
-START_TIMEOUT_S = 180
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-
-def children(pid: int) -> list[int]:
-    """Direct child processes of pid, from /proc."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
-class Server:
-    """torchrun -m autotp serve on a free port (--port 0), output in a log file the tests read."""
-
-    def __init__(self, model_dir: str, log: Path, nproc: int = 2):
-        self.model_id, self.log = model_dir, log
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-               str(free_port()), "-m", "autotp", "serve", "--model", model_dir, "--port", "0", "--max-batch-size", "8"]
-        with open(log, "wb") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=ENV, start_new_session=True)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not (found := re.search(r"on (http://127\.0\.0\.1:\d+)", self.text())):
-            assert self.proc.poll() is None, f"server exited {self.proc.returncode}:\n{self.text()[-3000:]}"
-            assert time.monotonic() < deadline, f"server not up after {START_TIMEOUT_S}s:\n{self.text()[-3000:]}"
-            time.sleep(0.2)
-        self.url = found.group(1)
-        self.ranks = children(self.proc.pid)
-        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=60)
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def post(self, body: bytes | dict, path: str = "/v1/completions") -> tuple[int, dict]:
-        data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        request = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=60) as r:
-                return r.status, json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read())
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +58,10 @@ def test_text_stream_holds_back_partial_characters_and_stop_prefixes():
     assert cut_at_stop("abc", ("x",)) == ("abc", False)
 
 
-def test_models_and_health(server):
-    assert [m.id for m in server.client.models.list().data] == [server.model_id]
+def test_models_and_health(server, model_dir):
+    # the directory's name, not its path: a client has no business knowing where the weights lie
+    assert [m.id for m in server.client.models.list().data] == [os.path.basename(model_dir)]
+    assert "/" not in server.model_id
     assert server.post(b"", "/health")[0] == 405  # health is GET
     with urllib.request.urlopen(server.url + "/health", timeout=10) as r:
         assert json.loads(r.read()) == {"status": "ok"}
@@ -205,6 +146,19 @@ BAD = [  # (body, status, param, message fragment)
     ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "at most 4"),
     ({"prompt": "x", "stream": "yes"}, 400, "stream", "valid boolean"),
     ({"prompt": "x", "bogus": 1}, 400, "bogus", "unrecognized request argument"),
+    # what torch.Generator.manual_seed cannot take killed every rank, even at temperature 0
+    ({"prompt": "x", "seed": 2**64, "temperature": 0}, 400, "seed", "between -9223372036854775808 and"),
+    ({"prompt": "x", "seed": -2**63 - 1}, 400, "seed", "got -9223372036854775809"),
+    (b'{"model": "M", "prompt": "x", "seed": 1' + b"0" * 5000 + b"}", 400, None, "4300 digits"),
+    (b'{"model": "M", "prompt": "x", "temperature": NaN}', 400, "temperature", "got nan"),
+    (b'{"model": "M", "prompt": "x", "top_p": 1e400}', 400, "top_p", "got inf"),
+    ({"prompt": "x\ud800y"}, 400, None, "lone UTF-16 surrogate"),  # a plain-text 500 before
+    ({"prompt": "x", "stop": ["\udfff"]}, 400, None, "lone UTF-16 surrogate"),
+    ({"prompt": "x", "\ud800": 1}, 400, None, "lone UTF-16 surrogate"),
+    (b"[" * 100_000 + b"]" * 100_000, 400, None, "nested too deeply"),
+    (b'{"model": "M", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None, "nested too deeply"),
+    # more characters than 128 tokens can cover: refused before tokenizing
+    ({"prompt": "x" * 7000, "max_tokens": 4}, 400, "prompt", "prompt of at least"),
 ]
 
 
@@ -212,12 +166,116 @@ BAD = [  # (body, status, param, message fragment)
 def test_bad_input_is_a_4xx_and_the_next_request_succeeds(server, body, status, param, fragment):
     if isinstance(body, dict) and "model" not in body and param != "model":
         body = {"model": server.model_id, **body}
+    if isinstance(body, bytes):
+        body = body.replace(b'"M"', json.dumps(server.model_id).encode())
     code, error = server.post(body)
     assert code == status
     assert set(error["error"]) == {"message", "type", "param", "code"}
     assert error["error"]["param"] == param and fragment in error["error"]["message"], error
     ok = server.client.completions.create(model=server.model_id, prompt="x", max_tokens=2)
     assert ok.usage.completion_tokens >= 1
+
+
+def test_a_body_over_the_default_limit_is_413_before_it_is_read(server):
+    """2 MiB by default: a 50 MB prompt took 55 s and 8 GB to refuse; now its headers suffice."""
+    answer = server.raw(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: 50000000\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 413 "), answer[:200]
+    assert "limit of 2097152 bytes" in json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["message"]
+
+
+def test_a_row_whose_scores_are_not_finite_fails_alone(model_dir):
+    """Decided from the gathered scores, so the same on every rank; its batch-mates are unaffected."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from autotp.serve_batch import Row, run_batch
+
+    model, tok = AutoModelForCausalLM.from_pretrained(model_dir).eval(), AutoTokenizer.from_pretrained(model_dir)
+    rows = [Row(tuple(tok("def f(x):").input_ids), 6, t, 1.0, 5) for t in (0.0, 1.0, 1.0)]
+    clean = run_batch(model, tok, rows)
+    hook = model.lm_head.register_forward_hook(lambda m, i, out: out.index_fill(0, torch.tensor([2]), float("nan")))
+    try:
+        poisoned = run_batch(model, tok, rows)
+    finally:
+        hook.remove()
+    assert poisoned[:2] == clean[:2]
+    assert poisoned[2].finish_reason == "error" and "not finite" in poisoned[2].error
+
+
+def test_seeds_at_the_ends_of_the_range_are_accepted(server):
+    for seed in (2**64 - 1, -2**63, 0):
+        out = server.client.completions.create(model=server.model_id, prompt="x", max_tokens=2, seed=seed)
+        assert out.usage.completion_tokens >= 1
+
+
+@pytest.mark.timeout(120)
+def test_a_temperature_that_underflows_is_greedy_and_spares_its_batch(server):
+    """1e-40 is inside 0..2, and scores / 1e-40 is inf: it killed every rank and its batch-mates' requests."""
+    greedy = server.client.completions.create(model=server.model_id, prompt="def f(x):", max_tokens=8, temperature=0)
+
+    async def together():
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        try:
+            return await asyncio.gather(*[client.completions.create(model=server.model_id, prompt="def f(x):",
+                                                                    max_tokens=8, temperature=t, seed=3)
+                                          for t in (1e-40, 5e-324, 1e-6, 0.7, 2.0)])
+        finally:
+            await client.close()
+
+    tiny, denormal, small, *_ = asyncio.run(together())
+    assert tiny.choices[0].text == denormal.choices[0].text == greedy.choices[0].text
+    assert small.usage.completion_tokens >= 1
+    assert server.health() == {"status": "ok"}
+
+
+def test_echoed_values_are_capped_in_errors_and_log(server):
+    code, error = server.post({"model": server.model_id, "prompt": "x", "temperature": "t" * 1_500_000})
+    assert code == 400 and error["error"]["param"] == "temperature"
+    assert len(error["error"]["message"]) < 1000 and "more characters" in error["error"]["message"]
+    code, error = server.post({"model": "m" * 100_000, "prompt": "x"})
+    assert code == 404 and len(error["error"]["message"]) < 1000
+    assert max(map(len, server.text().splitlines())) < 2000
+
+
+@pytest.mark.parametrize("host, status", [("attacker.example", 400), ("attacker.example:80", 400),
+                                          ("localhost:8000", 200), ("LOCALHOST", 200), ("[::1]:1", 200)])
+def test_a_loopback_server_answers_loopback_host_names_only(server, host, status):
+    """DNS rebinding: a web page on attacker.example resolving to 127.0.0.1 sends Host: attacker.example."""
+    answer = server.raw(f"GET /health HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+    assert answer.startswith(f"HTTP/1.1 {status} ".encode()), answer[:200]
+    if status != 200:
+        assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "invalid_host"
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", ""])
+def test_a_post_that_is_not_json_is_415(server, content_type):
+    """What a web page can POST cross-origin without a preflight must not be parsed as a request."""
+    body = json.dumps({"model": server.model_id, "prompt": "x", "max_tokens": 1}).encode()
+    head = f"Content-Type: {content_type}\r\n" if content_type else ""
+    answer = server.raw(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n" + head.encode()
+                        + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+    assert answer.startswith(b"HTTP/1.1 415 "), answer[:200]
+    assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["type"] == "invalid_request_error"
+    assert server.post({"model": server.model_id, "prompt": "x", "max_tokens": 1},
+                       **{"Content-Type": "application/json; charset=utf-8"})[0] == 200
+
+
+@pytest.mark.timeout(120)
+def test_a_disconnected_stream_is_cancelled_at_the_next_step(server):
+    params = dict(model=server.model_id, prompt="def f(x):", max_tokens=115, temperature=0)
+    whole = server.client.completions.create(**params)
+    assert whole.choices[0].finish_reason == "length"  # so only the cancellation can end it early
+    stream = server.client.completions.create(stream=True, **params)
+    next(iter(stream))
+    stream.close()  # the client goes away after its first chunk
+    assert server.client.completions.create(model=server.model_id, prompt="x", max_tokens=2).usage.completion_tokens
+    deadline = time.monotonic() + 30
+    while not (found := re.findall(r"(cmpl-\w+) prompt 0 cancelled after (\d+) of 115 tokens", server.text())):
+        assert time.monotonic() < deadline, server.text()[-2000:]
+        time.sleep(0.1)
+    assert int(found[-1][1]) < 115
+    assert re.search(rf"{found[-1][0]} status=499 ", server.text())
 
 
 @pytest.mark.timeout(240)

@@ -43,6 +43,20 @@ def port_number(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def name_list(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("expected comma-separated names")
+    return names
+
+
 def id_list(text: str) -> list[int]:
     try:
         return [int(t) for t in text.split(",") if t.strip()]
@@ -71,6 +85,18 @@ def _tokenizer(args, model_dir):
         return None  # --input-ids on a tokenizer-less checkpoint
 
 
+def _sampling(args):
+    """The sampling flags, by the rules `autotp serve` applies to requests (autotp.sampling)."""
+    from autotp.sampling import SamplingError, check_sampling
+
+    try:
+        return check_sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                              max_tokens=args.max_new_tokens)
+    except SamplingError as e:
+        flag = "--max-new-tokens" if e.param == "max_tokens" else "--" + e.param.replace("_", "-")
+        raise AutotpError(f"{flag} {e.rule}, got {e.value}") from None
+
+
 def cmd_generate(args) -> int:
     import torch
 
@@ -80,6 +106,7 @@ def cmd_generate(args) -> int:
 
     if (args.prompt is None) == (args.input_ids is None):
         raise AutotpError("give exactly one of --prompt and --input-ids")
+    sampling = _sampling(args)
     model_dir = resolve_model_dir(args.model or default_model())
     config = load_config(model_dir)  # before AutoTokenizer, which reads config.json too and fails on a bad one
     tokenizer = _tokenizer(args, model_dir)
@@ -97,7 +124,8 @@ def cmd_generate(args) -> int:
     model = autotp.from_pretrained(model_dir, dtype=args.dtype, device=args.device)
     if text is not None and args.prompt is not None and not args.json and args.suffix is None:
         distributed.print0(args.prompt, end="")
-    out = generate(model, ids, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
+    do_sample = args.do_sample and sampling.temperature > 0  # below sampling.GREEDY_BELOW: greedy, as served
+    out = generate(model, ids, max_new_tokens=args.max_new_tokens, do_sample=do_sample,
                    temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, num_beams=args.num_beams,
                    seed=args.seed, tokenizer=tokenizer, stream=not args.json and tokenizer is not None)
     new = out[0, ids.shape[-1]:]
@@ -125,7 +153,8 @@ def cmd_serve(args) -> int:
 
     return serve(args.model or default_model(), model_id=args.model or DEMO_ID, host=args.host, port=args.port,
                  max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, dtype=args.dtype,
-                 device=args.device)
+                 device=args.device, max_body_bytes=args.max_body_bytes, read_timeout=args.read_timeout,
+                 allowed_hosts=args.allowed_hosts, api_key=args.api_key or os.environ.get("AUTOTP_API_KEY"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -170,6 +199,15 @@ def build_parser() -> argparse.ArgumentParser:
                                                                 "(default: the model's context)")
     srv.add_argument("--dtype", choices=DTYPE_CHOICES, help="weights dtype (default: as stored)")
     srv.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available, else cpu")
+    srv.add_argument("--max-body-bytes", type=positive_int, default=2**21,
+                     help="largest request body; more is refused with 413 (default 2 MiB)")
+    srv.add_argument("--read-timeout", type=positive_float, default=30.0,
+                     help="seconds a client has to send a request's headers and body (default 30)")
+    srv.add_argument("--allowed-hosts", type=name_list,
+                     help="Host header names to answer, comma-separated, '*' for any (default: loopback names "
+                          "when bound to loopback, else any)")
+    srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (default: $AUTOTP_API_KEY, "
+                                       "which, unlike a flag, other users cannot read in the process list)")
     srv.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # as for generate
     srv.set_defaults(func=cmd_serve)
     return parser

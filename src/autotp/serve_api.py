@@ -11,20 +11,32 @@ import json
 import random
 import time
 from dataclasses import dataclass
+from functools import cached_property
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from autotp.errors import AutotpError
 from autotp.generate import fim_prompt
+from autotp.sampling import SamplingError, check_sampling
 from autotp.serve_batch import Row
 from autotp.serve_engine import Result
 
 MAX_STOP = 4  # OpenAI's limit on stop strings
+ECHO_CHARS = 200  # an error message or log line repeats at most this much of what a client sent
+# a token's text is at most `longest token` characters, but a normalizer may shrink the text before it is
+# split (NFC composes base + mark, Hangul jamo compose 3 -> 1): this margin keeps the cheap bound safe
+CHARS_MARGIN = 4
+
+
+def clip(text: str, limit: int = ECHO_CHARS) -> str:
+    """text, or its start and how much was left out: errors and logs never repeat a 5 MB value whole."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
 
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  type: str = "invalid_request_error"):
+        message, param = clip(message, 2 * ECHO_CHARS), None if param is None else clip(param)
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
 
@@ -72,6 +84,14 @@ class Served:
     max_model_len: int
     created: int
 
+    @cached_property
+    def max_prompt_chars(self) -> int:
+        """More characters than this cannot fit the context, so they are refused before tokenizing.
+        Vocabulary strings are at least as long as the text they decode to (byte-level BPE: one character
+        per byte; WordPiece adds "##"), so the longest one bounds the characters a token can cover."""
+        longest = max(map(len, self.tokenizer.get_vocab()), default=1)
+        return self.max_model_len * longest * CHARS_MARGIN
+
 
 @dataclass
 class Completion:
@@ -93,8 +113,19 @@ def _parse_body(raw: bytes) -> CompletionBody:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ApiError(400, "the request body is not valid JSON: nested too deeply") from None
+    except ValueError as e:  # an integer of more than 4300 digits (Python's int_max_str_digits)
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    try:  # "\ud800" decodes to a lone surrogate, which neither the tokenizer nor a UTF-8 response can take
+        json.dumps(data, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise ApiError(400, "the request body contains a lone UTF-16 surrogate (\\ud800-\\udfff), "
+                            "which is not a character") from None
+    except RecursionError:  # json.loads nests deeper than json.dumps can
+        raise ApiError(400, "the request body is not valid JSON: nested too deeply") from None
     try:
         return CompletionBody.model_validate(data)
     except ValidationError as e:
@@ -105,7 +136,7 @@ def _parse_body(raw: bytes) -> CompletionBody:
             raise _invalid(param, f"unrecognized request argument: {param}") from None
         if first["type"] == "missing":
             raise _invalid(param, f"missing required argument: {param}") from None
-        got = json.dumps(first.get("input"))
+        got = clip(json.dumps(first.get("input")))
         raise _invalid(param, f"invalid {param}: {first['msg'].lower()}, got {got}") from None
 
 
@@ -115,7 +146,7 @@ def _check_neutral(body: CompletionBody) -> None:
     for name, allowed in neutral.items():
         value = getattr(body, name)
         if value not in allowed:
-            raise _invalid(name, f"{name}={json.dumps(value)} is not supported by autotp serve; "
+            raise _invalid(name, f"{name}={clip(json.dumps(value))} is not supported by autotp serve; "
                                  f"leave it out or send {json.dumps(allowed[-1])}")
 
 
@@ -128,7 +159,16 @@ def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
     return tuple(stops)
 
 
+def _too_long(served: Served, tokens: str, max_tokens: int, param: str) -> ApiError:
+    return ApiError(400, f"prompt of {tokens} tokens + max_tokens {max_tokens} exceeds the context of "
+                         f"{served.max_model_len} tokens", param=param, code="context_length_exceeded")
+
+
 def _prompt_ids(served: Served, prompt: str, suffix: str | None, max_tokens: int, param: str) -> tuple[int, ...]:
+    chars = len(prompt) + len(suffix or "")
+    if chars > served.max_prompt_chars:  # tokenizing megabytes would hold rank 0's CPU for seconds
+        raise _too_long(served, f"at least {chars // (served.max_prompt_chars // served.max_model_len)}",
+                        max_tokens, param)
     if suffix is not None:
         try:
             prompt = fim_prompt(served.tokenizer, prompt, suffix)
@@ -139,8 +179,7 @@ def _prompt_ids(served: Served, prompt: str, suffix: str | None, max_tokens: int
     if not ids:
         raise _invalid(param, "the prompt is empty")
     if len(ids) + max_tokens > served.max_model_len:
-        raise ApiError(400, f"prompt of {len(ids)} tokens + max_tokens {max_tokens} exceeds the context of "
-                            f"{served.max_model_len} tokens", param=param, code="context_length_exceeded")
+        raise _too_long(served, str(len(ids)), max_tokens, param)
     return ids
 
 
@@ -151,25 +190,23 @@ def parse_completion(raw: bytes, served: Served) -> Completion:
         raise ApiError(404, f"the model {body.model!r} does not exist: this server serves {served.model_id!r}",
                        param="model", code="model_not_found")
     _check_neutral(body)
-    max_tokens = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default
-    if max_tokens < 1:
-        raise _invalid("max_tokens", f"max_tokens must be at least 1, got {max_tokens}")
+    try:
+        sampling = check_sampling(temperature=1.0 if body.temperature is None else body.temperature,
+                                  top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed,
+                                  max_tokens=16 if body.max_tokens is None else body.max_tokens)  # OpenAI's
+    except SamplingError as e:
+        raise _invalid(e.param, str(e)) from None
+    max_tokens = sampling.max_tokens
     if max_tokens >= served.max_model_len:
         raise ApiError(400, f"max_tokens {max_tokens} leaves no room for a prompt in the context of "
                             f"{served.max_model_len} tokens", param="max_tokens", code="context_length_exceeded")
-    temperature = 1.0 if body.temperature is None else body.temperature
-    if not 0 <= temperature <= 2:
-        raise _invalid("temperature", f"temperature must be between 0 and 2, got {temperature}")
-    top_p = 1.0 if body.top_p is None else body.top_p
-    if not 0 < top_p <= 1:
-        raise _invalid("top_p", f"top_p must be in (0, 1], got {top_p}")
     stop = _stop_strings(body.stop)
     prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
     if not prompts:
         raise _invalid("prompt", "the prompt list is empty")
-    seed = random.SystemRandom().randrange(2**31) if body.seed is None else body.seed
-    rows = [Row(_prompt_ids(served, p, body.suffix, max_tokens, "prompt"), max_tokens, temperature, top_p, seed, stop)
-            for p in prompts]
+    seed = random.SystemRandom().randrange(2**31) if sampling.seed is None else sampling.seed
+    rows = [Row(_prompt_ids(served, p, body.suffix, max_tokens, "prompt"), max_tokens, sampling.temperature,
+                sampling.top_p, seed, stop) for p in prompts]
     stream = bool(body.stream)
     if body.stream_options is not None and not stream:
         raise _invalid("stream_options", "stream_options is only allowed with stream=true")

@@ -9,8 +9,12 @@ other ranks run `follow`: receive a command, run the same batch, repeat. Command
     ("stop",)                  every rank returns
 
 Because only rank 0 decides and every rank executes the same command list, ranks cannot drift apart.
-A failed broadcast or batch on rank 0 (a rank died, a collective timed out) is not recoverable: the
-engine answers every job 503 and returns 1. Nothing here knows HTTP; jobs carry an `emit` callback.
+After each batch the ranks gather each other's outcome (ok, or the error it raised). The same error on
+every rank is a deterministic failure of the batch's input (every rank ran the same rows on the same
+logits): its jobs get 500 and the server goes on. A failed collective, a dead rank or ranks that
+disagree are not recoverable: the engine answers every job 503 and returns 1. During a batch, rank 0
+broadcasts one flag per row and step saying which clients went away (see `Control.flags`). Nothing here
+knows HTTP; jobs carry an `emit` callback.
 """
 
 from __future__ import annotations
@@ -22,10 +26,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 
+import torch
 import torch.distributed as dist
 
-from autotp.serve_batch import Row, cut_at_stop, decode, run_batch
+from autotp.serve_batch import Outcome, Row, cut_at_stop, decode, run_batch
 
 HEARTBEAT_S = 0.5
 CONTROL_TIMEOUT_S = 60  # no broadcast waits longer than a heartbeat plus one batch's finishing step
@@ -47,6 +53,45 @@ class Control:
         box = [value]
         dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
+
+    def gather(self, value) -> list:
+        """Every rank's value, on every rank."""
+        if self.group is None:
+            return [value]
+        out = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(out, value, group=self.group)
+        return out
+
+    def flags(self, flags: list[bool]) -> list[bool]:
+        """rank 0's per-row flags on every rank, called once per generated token by every rank.
+
+        This is how a disconnected client's row stops in lockstep: only rank 0 knows which clients left,
+        and every rank must end the row in the same step. One broadcast of a few bytes per step on the
+        gloo group (tens of microseconds on one host) is cheaper than any scheme that lets ranks drift
+        and reconcile, and it needs no second decision rule."""
+        if self.group is None:
+            return flags
+        box = torch.tensor(flags, dtype=torch.uint8)
+        dist.broadcast(box, src=0, group=self.group)
+        return box.bool().tolist()
+
+
+def run_agreed(control: Control, work: Callable[[], list[Outcome]]) -> tuple[list[Outcome] | None, str]:
+    """Run one batch on this rank and agree with the others on its fate: (outcomes, "") or (None, error).
+
+    Raises when the ranks can no longer run in lockstep: a collective failed (DistError) or the ranks
+    disagree (one failed where another did not, so they left `generate` at different steps)."""
+    outcomes, error = None, ""
+    try:
+        outcomes = work()
+    except dist.DistError:
+        raise
+    except Exception as e:  # noqa: BLE001 - decided below: the same on every rank is this batch's failure
+        error = f"{type(e).__name__}: {e}".splitlines()[0][:200]
+    errors = control.gather(error)
+    if len(set(errors)) > 1:
+        raise RuntimeError(f"the ranks disagree on a batch: {errors}")
+    return outcomes, error
 
 
 class StopFlag:
@@ -102,6 +147,8 @@ class Job:
     index: int
     emit: Callable[[tuple], None]
     stream: TextStream | None = None
+    request: str = ""  # the request's id, for the log
+    cancelled: bool = False  # set from the HTTP thread when the client goes away; read at each step
 
     def fail(self, status: int, message: str) -> None:
         self.emit(("error", self.index, (status, message)))
@@ -173,6 +220,9 @@ class Engine:
                 return []
         while not self.inbox.empty():
             self.waiting.append(self.inbox.get_nowait())
+        self.waiting = [j for j in self.waiting if not j.cancelled]  # their clients left before they started
+        if not self.waiting:
+            return []
         size = 1  # the first job always fits alone: requests are checked against max_model_len
         while (size < min(self.max_batch_size, len(self.waiting)) and self._fits(self.waiting[:size + 1])):
             size += 1
@@ -187,14 +237,31 @@ class Engine:
                 if delta:
                     job.emit(("text", job.index, delta))
 
-        outcomes = run_batch(self.model, self.tokenizer, [j.row for j in batch], on_token)
+        outcomes, error = run_agreed(self.control, lambda: run_batch(
+            self.model, self.tokenizer, [j.row for j in batch], on_token,
+            lambda: self.control.flags([j.cancelled for j in batch])))
+        if outcomes is None:
+            log(f"a batch of {len(batch)} failed on every rank; the server goes on: {error}")
+            for job in batch:
+                job.fail(500, f"generation failed: {error}")
+            return
         for job, out in zip(batch, outcomes, strict=True):
-            text, _ = cut_at_stop(decode(self.tokenizer, out.tokens), job.row.stop)
-            if job.stream is not None:
-                delta = job.stream.delta(text, final=True)
-                if delta:
-                    job.emit(("text", job.index, delta))
-            job.emit(("done", job.index, Result(text, out.finish_reason, len(out.tokens))))
+            if out.finish_reason == "error":
+                log(f"{job.request} prompt {job.index} failed: {out.error}")
+                job.fail(500, out.error)
+            elif out.finish_reason == "cancelled":
+                log(f"{job.request} prompt {job.index} cancelled after {len(out.tokens)} of {job.row.max_tokens} "
+                    f"tokens: the client went away")
+            else:
+                self._finish(job, out)
+
+    def _finish(self, job: Job, out: Outcome) -> None:
+        text, _ = cut_at_stop(decode(self.tokenizer, out.tokens), job.row.stop)
+        if job.stream is not None:
+            delta = job.stream.delta(text, final=True)
+            if delta:
+                job.emit(("text", job.index, delta))
+        job.emit(("done", job.index, Result(text, out.finish_reason, len(out.tokens))))
 
 
 def follow(model, tokenizer, control: Control, stopping: StopFlag) -> int:
@@ -205,6 +272,8 @@ def follow(model, tokenizer, control: Control, stopping: StopFlag) -> int:
         if command[0] == "stop":
             return 0
         if command[0] == "generate":
-            run_batch(model, tokenizer, command[1])
+            rows = command[1]
+            run_agreed(control, partial(run_batch, model, tokenizer, rows,
+                                        cancelled=partial(control.flags, [False] * len(rows))))
         elif stopping.is_set() and stopping.age() > GRACE_S:
             return 0

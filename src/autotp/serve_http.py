@@ -1,8 +1,11 @@
 """Rank 0's HTTP side of `autotp serve`: the FastAPI app and the uvicorn thread that runs it.
 
-Endpoints: POST /v1/completions (JSON or server-sent events), GET /v1/models, GET /health. A request is
-checked by serve_api, split into one Job per prompt and handed to the Engine; the engine's thread sends
-results back into the event loop with `call_soon_threadsafe`. One log line per request, on stderr.
+Endpoints: POST /v1/completions (JSON or server-sent events), GET /v1/models, GET /health. serve_guard
+refuses what must not reach them (Host, key, media type, size, slow reads). A request is checked by
+serve_api in a worker thread (tokenizing a long prompt takes seconds that /health must not wait for),
+split into one Job per prompt and handed to the Engine; the engine's thread sends results back into the
+event loop with `call_soon_threadsafe`. A client that goes away marks its jobs cancelled, and the engine
+ends their rows at the next step. One log line per request, on stderr.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import socket
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -24,12 +28,14 @@ from autotp.serve_api import (
     Completion,
     Served,
     choice,
+    clip,
     completion_chunk,
     models_list,
     parse_completion,
     usage_of,
 )
 from autotp.serve_engine import Engine, Job, Result, TextStream, log
+from autotp.serve_guard import Guard, ReadTimeoutH11, closing_response, read_body
 
 
 def _sse(data: dict) -> str:
@@ -40,15 +46,36 @@ def _log_request(cid: str, status: int, start: float, prompt_tokens: int = 0, re
     generated = sum(r.completion_tokens for r in results)
     line = (f"{cid} status={status} prompt_tokens={prompt_tokens} generated_tokens={generated} "
             f"latency={time.monotonic() - start:.3f}s")
-    log(f"{line} error={error!r}" if error else line)
+    log(f"{line} error={clip(error)!r}" if error else line)
 
 
-def build_app(served: Served, engine: Engine) -> FastAPI:
+async def _watch_disconnect(request: Request, jobs: list[Job]) -> None:
+    """Cancel the jobs when the client goes away (to be cancelled itself before the response is sent:
+    once the body is read, the next message uvicorn delivers is the disconnect)."""
+    if (await request.receive())["type"] == "http.disconnect":
+        for job in jobs:
+            job.cancelled = True
+
+
+def build_app(served: Served, engine: Engine, max_body_bytes: int, allowed_hosts: frozenset[str] | None,
+              api_key: str | None) -> FastAPI:
     app = FastAPI(title="autotp serve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(Guard, allowed_hosts=allowed_hosts, api_key=api_key, max_body_bytes=max_body_bytes)
+    # one thread: requests are parsed in arrival order, and HF fast tokenizers are not meant for
+    # concurrent calls ("Already borrowed"); the engine's decoding on its own thread only reads
+    parser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="autotp-parse")
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        if exc.status == 413:
+            return closing_response(exc)
         return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(Exception)  # a bug of ours: still OpenAI-shaped, in one log line
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        message = clip(f"{type(exc).__name__}: {exc}".splitlines()[0])
+        log(f"internal error on {request.method} {clip(request.url.path)}: {message}")
+        return JSONResponse(ApiError(500, message, type="server_error").body(), status_code=500)
 
     @app.exception_handler(HTTPException)  # unknown paths and methods, in the same error shape
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
@@ -68,7 +95,8 @@ def build_app(served: Served, engine: Engine) -> FastAPI:
     async def completions(request: Request):
         cid, start = f"cmpl-{uuid.uuid4().hex[:24]}", time.monotonic()
         try:
-            req = parse_completion(await request.body(), served)
+            raw = await read_body(request, max_body_bytes)
+            req = await asyncio.get_running_loop().run_in_executor(parser, parse_completion, raw, served)
         except ApiError as e:
             _log_request(cid, e.status, start, error=e.message)
             raise
@@ -81,20 +109,25 @@ def build_app(served: Served, engine: Engine) -> FastAPI:
             except RuntimeError:  # the event loop is gone (shutdown): nobody is waiting any more
                 pass
 
-        jobs = [Job(row, i, emit, TextStream(row.stop) if req.stream else None) for i, row in enumerate(req.rows)]
+        jobs = [Job(row, i, emit, TextStream(row.stop) if req.stream else None, cid)
+                for i, row in enumerate(req.rows)]
         if not engine.submit(jobs):
             _log_request(cid, 503, start, req.prompt_tokens, error="shutting down")
             raise ApiError(503, "the server is shutting down", type="server_error")
         if req.stream:
-            return StreamingResponse(_stream(cid, served, req, events, start), media_type="text/event-stream")
+            return StreamingResponse(_stream(cid, served, req, jobs, events, start), media_type="text/event-stream")
         results: dict[int, Result] = {}
-        while len(results) < len(jobs):
-            kind, index, payload = await events.get()
-            if kind == "error":
-                _log_request(cid, payload[0], start, req.prompt_tokens, results.values(), payload[1])
-                raise ApiError(*payload, type="server_error")
-            if kind == "done":
-                results[index] = payload
+        watcher = asyncio.create_task(_watch_disconnect(request, jobs))
+        try:
+            while len(results) < len(jobs):
+                kind, index, payload = await events.get()
+                if kind == "error":
+                    _log_request(cid, payload[0], start, req.prompt_tokens, results.values(), payload[1])
+                    raise ApiError(*payload, type="server_error")
+                if kind == "done":
+                    results[index] = payload
+        finally:
+            watcher.cancel()
         ordered = [results[i] for i in range(len(jobs))]
         _log_request(cid, 200, start, req.prompt_tokens, ordered)
         return completion_chunk(cid, served, [choice(i, r.text, r.finish_reason) for i, r in enumerate(ordered)],
@@ -103,10 +136,11 @@ def build_app(served: Served, engine: Engine) -> FastAPI:
     return app
 
 
-async def _stream(cid: str, served: Served, req: Completion, events: asyncio.Queue, start: float):
-    """Server-sent events as OpenAI sends them: text chunks, one finishing chunk per prompt, [DONE]."""
+async def _stream(cid: str, served: Served, req: Completion, jobs: list[Job], events: asyncio.Queue, start: float):
+    """Server-sent events as OpenAI sends them: text chunks, one finishing chunk per prompt, [DONE].
+    Starlette closes this generator when the client disconnects: its unfinished jobs are cancelled."""
     results: dict[int, Result] = {}
-    status, error = 200, ""
+    status, error = 499, "the client went away"  # nginx's code for it, until the stream is complete
     try:
         while len(results) < len(req.rows):
             kind, index, payload = await events.get()
@@ -122,7 +156,11 @@ async def _stream(cid: str, served: Served, req: Completion, events: asyncio.Que
         if req.include_usage:
             yield _sse(completion_chunk(cid, served, [], usage_of(req.prompt_tokens, list(results.values()))))
         yield "data: [DONE]\n\n"
+        status, error = 200, ""
     finally:
+        if status == 499:
+            for job in jobs:
+                job.cancelled = job.index not in results
         _log_request(cid, status, start, req.prompt_tokens, results.values(), error)
 
 
@@ -135,8 +173,9 @@ def listen(host: str, port: int) -> socket.socket:
 class HttpThread:
     """uvicorn in a daemon thread (the main thread belongs to the engine and the signal handlers)."""
 
-    def __init__(self, app: FastAPI, sock: socket.socket):
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+    def __init__(self, app: FastAPI, sock: socket.socket, read_timeout: float):
+        protocol = type("H11", (ReadTimeoutH11,), {"read_timeout": read_timeout})
+        config = uvicorn.Config(app, http=protocol, log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=5)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True,

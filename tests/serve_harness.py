@@ -1,0 +1,93 @@
+"""A 2-rank `autotp serve` under torchrun for the serve tests, and the /proc look-ups they use."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import openai
+from pool import free_port
+
+START_TIMEOUT_S = 180
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def children(pid: int) -> list[int]:
+    """Direct child processes of pid, from /proc."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+class Server:
+    """torchrun -m autotp serve on a free port (--port 0), output in a log file the tests read."""
+
+    def __init__(self, model_dir: str, log: Path, *args: str, api_key: str = "unused"):
+        self.model_id, self.log, self.api_key = Path(model_dir).name, log, api_key
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(free_port()), "-m", "autotp", "serve", "--model", model_dir, "--port", "0", "--max-batch-size", "8",
+               *args]
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=ENV, start_new_session=True)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not (found := re.search(r"on (http://127\.0\.0\.1:(\d+))", self.text())):
+            assert self.proc.poll() is None, f"server exited {self.proc.returncode}:\n{self.text()[-3000:]}"
+            assert time.monotonic() < deadline, f"server not up after {START_TIMEOUT_S}s:\n{self.text()[-3000:]}"
+            time.sleep(0.2)
+        self.url, self.port = found.group(1), int(found.group(2))
+        self.ranks = children(self.proc.pid)
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=60)
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def post(self, body: bytes | dict, path: str = "/v1/completions", **headers: str) -> tuple[int, dict]:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json", "Authorization": f"Bearer {self.api_key}", **headers}
+        request = urllib.request.Request(self.url + path, data=data, headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def raw(self, request: bytes, timeout: float = 30) -> bytes:
+        """Send bytes as they are, read the answer until the server closes the connection."""
+        with socket.create_connection(("127.0.0.1", self.port), timeout=timeout) as s:
+            s.sendall(request)
+            out = b""
+            while chunk := s.recv(65536):
+                out += chunk
+            return out
+
+    def health(self) -> dict:
+        with urllib.request.urlopen(self.url + "/health", timeout=10) as r:
+            return json.loads(r.read())
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
