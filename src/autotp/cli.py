@@ -101,12 +101,14 @@ def cmd_generate(args) -> int:
     import torch
 
     import autotp
-    from autotp.api import load_config, resolve_model_dir
+    from autotp.api import load_config
     from autotp.generate import check_ids, fim_prompt, generate
+    from autotp.hub import resolve_model_dir
 
     if (args.prompt is None) == (args.input_ids is None):
         raise AutotpError("give exactly one of --prompt and --input-ids")
     sampling = _sampling(args)
+    distributed.init(args.device)  # first: a hub id is downloaded once per node, the other ranks wait
     model_dir = resolve_model_dir(args.model or default_model())
     config = load_config(model_dir)  # before AutoTokenizer, which reads config.json too and fails on a bad one
     tokenizer = _tokenizer(args, model_dir)
