@@ -62,9 +62,11 @@ class TensorShard:
         return tuple(local)
 
     def take(self, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's part of a full tensor, as a new tensor (pure indexing: bit-exact)."""
+        """This rank's part of a full tensor, as a new tensor (pure indexing: bit-exact). Also when replicated:
+        a tensor that views the caller's storage would keep it alive, e.g. a model's whole safetensors file
+        mapping, every touched page of it resident, after init_inference has dropped the full weights."""
         if self.dim is None:
-            return tensor
+            return tensor.clone()
         parts = [tensor.narrow(self.dim, a, b - a) for a, b in self.reads()]
         return torch.cat(parts, dim=self.dim) if len(parts) != 1 else parts[0].clone()
 
