@@ -24,7 +24,7 @@ from autotp.guard import InputGuard
 from autotp.hub import resolve_model_dir
 from autotp.loader import Checkpoint
 from autotp.plans import Plan, plan_for
-from autotp.shard import parallelize
+from autotp.shard import parallelize, parameter_names
 from autotp.skeleton import skeleton
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -70,7 +70,8 @@ def load_config(model_dir: Path):
 def checkpoint_keys(ckpt: Checkpoint, net: nn.Module, plan: Plan) -> dict[str, str]:
     """Validate the checkpoint against the model skeleton (missing, unused, mis-shaped, mis-typed tensors) before any
     weight is read; each parameter's first name -> its checkpoint key."""
-    aliases = plan.parameter_names(net)
+    aliases = {first: names + [plan.checkpoint_names[n] for n in names if n in plan.checkpoint_names]
+               for first, names in parameter_names(net).items()}
     params = {first: net.get_parameter(first) for first in aliases}
     return ckpt.validate(aliases, params, getattr(net, "_keys_to_ignore_on_load_unexpected", None) or [])
 
@@ -107,7 +108,7 @@ def from_pretrained(model: str | os.PathLike, dtype: str | torch.dtype | None = 
     dtype = dtype or ckpt.floating_dtype() or torch.float32
     net = skeleton(config, dtype)
     keys = checkpoint_keys(ckpt, net, plan)
-    first = {name: names[0] for names in plan.parameter_names(net).values() for name in names}
+    first = {name: names[0] for names in parameter_names(net).values() for name in names}
     progress = tqdm(total=len(keys), desc=f"loading {plan.family} tp={tp}", unit="tensor",
                     disable=env.rank != 0 or not sys.stderr.isatty())
 

@@ -9,7 +9,8 @@ model computes one bias per global head and the attention views it with the per-
 """
 
 from autotp.errors import AutotpError
-from autotp.plans import Plan, head_dim
+from autotp.plans.common import head_dim
+from autotp.plans.plan import Plan
 from autotp.styles import Colwise, FusedQKV, Rowwise, Vocab, VocabHead
 
 

@@ -1,11 +1,11 @@
-"""GPT-NeoX (Pythia) and GPT-J: multi-head attention whose forward infers the head count from the shapes.
+"""GPT-NeoX (Pythia): multi-head attention whose forward infers the head count from the shapes.
 
-GPT-NeoX: query_key_value.weight (3*hidden, hidden) is per-head interleaved, (heads, 3, d); the forward
-views it as (-1, 3*head_size) and chunks, so no per-rank attribute is needed. GPT-J: separate q/k/v_proj
-and out_proj, viewed with -1 heads; its lm_head has a bias, split with the vocabulary rows.
+query_key_value.weight (3*hidden, hidden) is per-head interleaved, (heads, 3, d); the forward views it as
+(-1, 3*head_size) and chunks, so no per-rank attribute is needed.
 """
 
-from autotp.plans import Plan, head_dim
+from autotp.plans.common import head_dim
+from autotp.plans.plan import Plan
 from autotp.styles import Colwise, FusedQKV, Rowwise, Vocab, VocabHead
 
 
@@ -26,25 +26,4 @@ def plan(config) -> Plan:
         },
         attention="gpt_neox.layers.*.attention",
         checkpoint_names={"lm_head.weight": "embed_out.weight"},
-    )
-
-
-def gptj_plan(config) -> Plan:
-    heads = config.n_head
-    return Plan(
-        family="gptj",
-        num_heads=heads,
-        num_kv_heads=heads,
-        head_dim=head_dim(config, "n_embd", "n_head"),
-        layers={
-            "transformer.wte": Vocab(),
-            "transformer.h.*.attn.q_proj": Colwise(split="q_heads"),
-            "transformer.h.*.attn.k_proj": Colwise(split="kv_heads"),
-            "transformer.h.*.attn.v_proj": Colwise(split="kv_heads"),
-            "transformer.h.*.attn.out_proj": Rowwise(split="q_heads"),
-            "transformer.h.*.mlp.fc_in": Colwise(),
-            "transformer.h.*.mlp.fc_out": Rowwise(),
-            "lm_head": VocabHead(),
-        },
-        attention="transformer.h.*.attn",
     )

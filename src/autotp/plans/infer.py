@@ -25,7 +25,8 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from autotp.errors import AutotpError
-from autotp.plans import Plan, head_count, head_dim
+from autotp.plans.common import llama_heads
+from autotp.plans.plan import Plan
 from autotp.skeleton import skeleton
 from autotp.styles import Colwise, Rowwise, Style, Vocab, VocabHead
 
@@ -39,12 +40,10 @@ KV_NAME = re.compile(r"(k|v|key|value)(_proj)?$")
 
 def _sizes(config) -> tuple[int, int, int, int]:
     try:
-        heads, hidden = head_count(config, "num_attention_heads"), config.hidden_size
+        heads, kv_heads, d = llama_heads(config)
+        return heads, kv_heads, d, config.hidden_size
     except AttributeError as e:
         raise AutotpError(f"cannot infer a plan for {config.model_type!r}: its config has no {e.name}") from None
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    d = getattr(config, "head_dim", None) or head_dim(config, "hidden_size", "num_attention_heads")
-    return heads, kv_heads, d, hidden
 
 
 def _in_out(m: nn.Module) -> tuple[int, int]:

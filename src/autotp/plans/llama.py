@@ -7,7 +7,8 @@ heads and the KV heads they use (KV heads replicated when kv_heads < tp). The fa
 the MLP, listed per family below: gated gate_proj/up_proj -> down_proj, or StarCoder2's c_fc -> c_proj.
 """
 
-from autotp.plans import Plan, head_count, head_dim
+from autotp.plans.common import llama_heads, separate_qkvo
+from autotp.plans.plan import Plan
 from autotp.styles import Colwise, Rowwise, Vocab, VocabHead
 
 GATED = {"mlp.gate_proj": Colwise(), "mlp.up_proj": Colwise(), "mlp.down_proj": Rowwise()}
@@ -24,24 +25,9 @@ FAMILIES = {
     "starcoder2": FC,
 }
 
-ATTENTION = {
-    "self_attn.q_proj": Colwise(split="q_heads"),
-    "self_attn.k_proj": Colwise(split="kv_heads"),
-    "self_attn.v_proj": Colwise(split="kv_heads"),
-    "self_attn.o_proj": Rowwise(split="q_heads"),
-}
-
-
-def head_counts(config) -> tuple[int, int, int]:
-    """(query heads, KV heads, head_dim) of a Llama-style config; head_dim may be set apart from hidden_size."""
-    heads = head_count(config, "num_attention_heads")
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    return heads, kv_heads, getattr(config, "head_dim", None) or head_dim(config, "hidden_size", "num_attention_heads")
-
-
 def plan(config) -> Plan:
-    heads, kv_heads, head_dim = head_counts(config)
-    layer = ATTENTION | FAMILIES[config.model_type]
+    heads, kv_heads, head_dim = llama_heads(config)
+    layer = separate_qkvo("self_attn") | FAMILIES[config.model_type]
     return Plan(
         family=config.model_type,
         num_heads=heads,

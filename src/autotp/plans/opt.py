@@ -4,7 +4,8 @@ OPTAttention views its projections with `self.num_heads` (per rank). project_in/
 word_embed_proj_dim != hidden_size) are small and replicated; lm_head is tied to embed_tokens.
 """
 
-from autotp.plans import Plan, head_dim
+from autotp.plans.common import head_dim, separate_qkvo
+from autotp.plans.plan import Plan
 from autotp.styles import Colwise, Rowwise, Vocab, VocabHead
 
 
@@ -18,10 +19,7 @@ def plan(config) -> Plan:
         head_dim=head_dim(config, "hidden_size", "num_attention_heads"),
         layers={
             "model.decoder.embed_tokens": Vocab(),
-            f"{layer}.self_attn.q_proj": Colwise(split="q_heads"),
-            f"{layer}.self_attn.k_proj": Colwise(split="kv_heads"),
-            f"{layer}.self_attn.v_proj": Colwise(split="kv_heads"),
-            f"{layer}.self_attn.out_proj": Rowwise(split="q_heads"),
+            **separate_qkvo(f"{layer}.self_attn", o="out_proj"),
             f"{layer}.fc1": Colwise(),
             f"{layer}.fc2": Rowwise(),
             "lm_head": VocabHead(),

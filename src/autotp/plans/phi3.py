@@ -7,13 +7,13 @@ Phi3Attention reads `self.num_key_value_heads`, `num_key_value_groups`, and slic
 `self.config.num_attention_heads * head_dim`: its config is a per-rank copy (see Plan.attention_config).
 """
 
-from autotp.plans import Plan
-from autotp.plans.llama import head_counts
+from autotp.plans.common import llama_heads
+from autotp.plans.plan import Plan
 from autotp.styles import Colwise, FusedQKV, Rowwise, Vocab, VocabHead
 
 
 def plan(config) -> Plan:
-    heads, kv_heads, head_dim = head_counts(config)
+    heads, kv_heads, head_dim = llama_heads(config)
     return Plan(
         family="phi3",
         num_heads=heads,
