@@ -9,7 +9,8 @@ import torch
 from transformers import AutoTokenizer
 
 from autotp.cli import default_model
-from autotp.generate import fim_prompt, generate
+from autotp.generate import generate
+from autotp.tokenizer import fim_prompt
 
 SEED_PROMPT = "def print_hello_world():"
 FIM = ("def add(a, b):\n    ", "\n    return c\n")

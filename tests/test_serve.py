@@ -22,8 +22,8 @@ import pytest
 from pool import free_port
 from serve_harness import ENV, Server, alive
 
-from autotp.serve_batch import cut_at_stop
-from autotp.serve_engine import TextStream
+from autotp.serve.batch import cut_at_stop
+from autotp.serve.engine import TextStream
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +56,13 @@ def test_text_stream_holds_back_partial_characters_and_stop_prefixes():
     assert stream.delta("abcdefgh", final=True) == "h"  # the final text is cut at the stop already
     assert cut_at_stop("abcSTOPdSTO", ("STOP", "d")) == ("abc", True)
     assert cut_at_stop("abc", ("x",)) == ("abc", False)
+
+
+def test_the_api_boundary_imports_no_torch():
+    """serve/api.py checks requests without torch: it and its imports (serve.types, sampling, tokenizer) stay light."""
+    code = "import sys, autotp.serve.api\nprint(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=ENV)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
 def test_models_and_health(server, model_dir):
@@ -189,7 +196,8 @@ def test_a_row_whose_scores_are_not_finite_fails_alone(model_dir):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from autotp.serve_batch import Row, run_batch
+    from autotp.serve.batch import run_batch
+    from autotp.serve.types import Row
 
     model, tok = AutoModelForCausalLM.from_pretrained(model_dir).eval(), AutoTokenizer.from_pretrained(model_dir)
     rows = [Row(tuple(tok("def f(x):").input_ids), 6, t, 1.0, 5) for t in (0.0, 1.0, 1.0)]

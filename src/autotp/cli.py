@@ -73,16 +73,12 @@ def cmd_plan(args) -> int:
 
 
 def _tokenizer(args, model_dir):
-    from transformers import AutoTokenizer
+    """The tokenizer; None where none loads and none is needed (--input-ids on a tokenizer-less checkpoint)."""
+    from autotp.tokenizer import load_tokenizer
 
-    source = args.tokenizer or model_dir
-    try:
-        return AutoTokenizer.from_pretrained(source)
-    except (OSError, ValueError) as e:
-        if args.tokenizer or args.prompt is not None:
-            raise AutotpError(f"cannot load a tokenizer from {source} ({type(e).__name__}): give --tokenizer, "
-                              "or the prompt as --input-ids") from None
-        return None  # --input-ids on a tokenizer-less checkpoint
+    needed = args.tokenizer or args.prompt is not None
+    missing = "cannot load a tokenizer from {source} ({cause}): give --tokenizer, or the prompt as --input-ids"
+    return load_tokenizer(args.tokenizer or model_dir, missing if needed else None)
 
 
 def _sampling(args):
@@ -102,8 +98,9 @@ def cmd_generate(args) -> int:
 
     import autotp
     from autotp.api import load_config
-    from autotp.generate import check_ids, fim_prompt, generate
+    from autotp.generate import check_ids, generate
     from autotp.hub import resolve_model_dir
+    from autotp.tokenizer import fim_prompt
 
     if (args.prompt is None) == (args.input_ids is None):
         raise AutotpError("give exactly one of --prompt and --input-ids")

@@ -1,4 +1,4 @@
-"""Generation on a sharded model: prompt building (plain and fill-in-the-middle), seeding, streaming.
+"""Generation on a sharded model: checks on the prompt, seeding, padding, streaming.
 
 HF's `generate` runs unchanged on every rank. The logits are gathered, so every rank sees the same
 numbers; seeding every rank's generator with the same seed (drawn on rank 0 and broadcast when the user
@@ -15,16 +15,17 @@ from transformers import TextStreamer
 
 from autotp.errors import AutotpError
 
-FIM_TOKENS = ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")
 
-
-def fim_prompt(tokenizer, prefix: str, suffix: str) -> str:
-    """StarCoder's prefix-suffix-middle prompt; the model writes the middle."""
-    vocab = tokenizer.get_vocab()
-    missing = [t for t in FIM_TOKENS if t not in vocab]
-    if missing:
-        raise AutotpError(f"--suffix needs fill-in-the-middle tokens, and this tokenizer lacks {', '.join(missing)}")
-    return f"<fim_prefix>{prefix}<fim_suffix>{suffix}<fim_middle>"
+def pad_token_id(generation_config) -> int:
+    """The id `generate` and `autotp serve` pad with: the model's pad token, else its first eos id, else 0.
+    The first eos id is what HF picks itself when it fills the pad in; 0 only where the model has neither
+    (serve's left padding needs some id, and padded positions are masked)."""
+    pad, eos = generation_config.pad_token_id, generation_config.eos_token_id
+    if pad is not None:
+        return pad
+    if isinstance(eos, list):
+        return eos[0] if eos else 0
+    return 0 if eos is None else eos
 
 
 def context_length(config) -> int:
@@ -77,10 +78,7 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int, do_sample: 
     kwargs = dict(do_sample=do_sample, num_beams=num_beams, max_new_tokens=max_new_tokens, streamer=streamer)
     if do_sample:
         kwargs.update(temperature=temperature, top_p=top_p, top_k=top_k)
-    eos = model.generation_config.eos_token_id
-    pad = model.generation_config.pad_token_id
-    if pad is None:
-        pad = eos[0] if isinstance(eos, list) else eos
+    pad = pad_token_id(model.generation_config)
     with torch.inference_mode():
         return model.generate(input_ids.to(model.device), attention_mask=torch.ones_like(input_ids).to(model.device),
                               pad_token_id=pad, **kwargs)

@@ -16,10 +16,9 @@ from functools import cached_property
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from autotp.errors import AutotpError
-from autotp.generate import fim_prompt
 from autotp.sampling import SamplingError, check_sampling
-from autotp.serve_batch import Row
-from autotp.serve_engine import Result
+from autotp.serve.types import Result, Row
+from autotp.tokenizer import fim_prompt
 
 MAX_STOP = 4  # OpenAI's limit on stop strings
 ECHO_CHARS = 200  # an error message or log line repeats at most this much of what a client sent

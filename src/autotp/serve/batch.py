@@ -1,6 +1,6 @@
 """One batch of completions through HF `generate`, identically on every rank.
 
-A batch is a list of `Row`s (plain data, broadcast from rank 0). Prompts are left-padded into one
+A batch is a list of `Row`s (types.py: plain data, broadcast from rank 0). Prompts are left-padded into one
 `generate` call; each row keeps its own sampling parameters, seed, token budget and stop strings:
 
 - `RowSampler` (a logits processor) samples each sampled row with the row's own seeded generator and
@@ -20,29 +20,12 @@ HTTP or scheduling.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
-
-@dataclass(frozen=True)
-class Row:
-    """One prompt's work, as every rank receives it."""
-
-    ids: tuple[int, ...]  # prompt token ids
-    max_tokens: int
-    temperature: float  # 0: greedy
-    top_p: float
-    seed: int
-    stop: tuple[str, ...] = ()
-
-
-@dataclass
-class Outcome:
-    tokens: list[int]  # generated ids, up to and including the one that ended the row
-    finish_reason: str  # "stop" (eos or a stop string), "length", "cancelled" or "error"
-    error: str = ""  # why, for "error"
+from autotp.generate import pad_token_id
+from autotp.serve.types import Outcome, Row
 
 
 def decode(tokenizer, tokens: list[int]) -> str:
@@ -146,9 +129,7 @@ def run_batch(model, tokenizer, rows: list[Row], on_token: Callable[[int, list[i
     """Generate every row; on_token(row index, tokens so far) after each token that leaves its row unfinished;
     cancelled() -> per row, whether to end it now (the same on every rank)."""
     eos = _eos_ids(model)
-    pad = model.generation_config.pad_token_id
-    if pad is None:
-        pad = min(eos) if eos else 0
+    pad = pad_token_id(model.generation_config)
     width = max(len(r.ids) for r in rows)
     # left padding: (batch, width); HF derives position ids from the mask, so each row sees positions 0..len-1
     ids = torch.tensor([[pad] * (width - len(r.ids)) + list(r.ids) for r in rows])

@@ -4,7 +4,7 @@ Rank 0's main thread runs `Engine.run`: it takes waiting jobs (from the HTTP thr
 broadcasts a command on a gloo control group, runs the batch itself and hands each job its text. The
 other ranks run `follow`: receive a command, run the same batch, repeat. Commands are
 
-    ("generate", [Row, ...])   every rank runs serve_batch.run_batch on these rows
+    ("generate", [Row, ...])   every rank runs batch.run_batch on these rows
     ("idle",)                  sent every HEARTBEAT_S with no work, so a dead rank shows within seconds
     ("stop",)                  every rank returns
 
@@ -20,7 +20,6 @@ knows HTTP; jobs carry an `emit` callback.
 from __future__ import annotations
 
 import queue
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -31,7 +30,8 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from autotp.serve_batch import Outcome, Row, cut_at_stop, decode, run_batch
+from autotp.serve.batch import cut_at_stop, decode, run_batch
+from autotp.serve.types import Outcome, Result, Row, log
 
 HEARTBEAT_S = 0.5
 CONTROL_TIMEOUT_S = 60  # no broadcast waits longer than a heartbeat plus one batch's finishing step
@@ -132,13 +132,6 @@ class TextStream:
 
 
 @dataclass
-class Result:
-    text: str
-    finish_reason: str
-    completion_tokens: int
-
-
-@dataclass
 class Job:
     """One prompt of one request, as rank 0 tracks it. emit(event) must be thread-safe; events are
     ("text", index, delta) when streaming, then ("done", index, Result) or ("error", index, (status, message))."""
@@ -152,10 +145,6 @@ class Job:
 
     def fail(self, status: int, message: str) -> None:
         self.emit(("error", self.index, (status, message)))
-
-
-def log(message: str) -> None:
-    print(f"autotp serve: {message}", file=sys.stderr, flush=True)
 
 
 class Engine:

@@ -25,8 +25,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from autotp.serve_api import ApiError, clip
-from autotp.serve_engine import log
+from autotp.serve.api import ApiError, clip
+from autotp.serve.types import log
 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 

@@ -1,8 +1,8 @@
 """Rank 0's HTTP side of `autotp serve`: the FastAPI app and the uvicorn thread that runs it.
 
-Endpoints: POST /v1/completions (JSON or server-sent events), GET /v1/models, GET /health. serve_guard
+Endpoints: POST /v1/completions (JSON or server-sent events), GET /v1/models, GET /health. guard.py
 refuses what must not reach them (Host, key, media type, size, slow reads). A request is checked by
-serve_api in a worker thread (tokenizing a long prompt takes seconds that /health must not wait for),
+api.py in a worker thread (tokenizing a long prompt takes seconds that /health must not wait for),
 split into one Job per prompt and handed to the Engine; the engine's thread sends results back into the
 event loop with `call_soon_threadsafe`. A client that goes away marks its jobs cancelled, and the engine
 ends their rows at the next step. One log line per request, on stderr.
@@ -23,7 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from autotp.serve_api import (
+from autotp.serve.api import (
     ApiError,
     Completion,
     Served,
@@ -34,8 +34,9 @@ from autotp.serve_api import (
     parse_completion,
     usage_of,
 )
-from autotp.serve_engine import Engine, Job, Result, TextStream, log
-from autotp.serve_guard import Guard, ReadTimeoutH11, closing_response, read_body
+from autotp.serve.engine import Engine, Job, TextStream
+from autotp.serve.guard import Guard, ReadTimeoutH11, closing_response, read_body
+from autotp.serve.types import Result, log
 
 
 def _sse(data: dict) -> str:

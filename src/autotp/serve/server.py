@@ -1,7 +1,7 @@
-"""`autotp serve`: an OpenAI-compatible completions server on a tensor-parallel model.
+"""`serve()`, the entry of `autotp serve`: load the model on every rank, then serve until signalled.
 
-Every rank loads its shard; rank 0 also runs the HTTP server (serve_http) in a thread and the scheduler
-(serve_engine.Engine) in its main thread, the other ranks follow rank 0's commands. SIGINT/SIGTERM on
+Every rank loads its shard; rank 0 also runs the HTTP server (http.py) in a thread and the scheduler
+(engine.Engine) in its main thread, the other ranks follow rank 0's commands. SIGINT/SIGTERM on
 any rank set a flag: rank 0 stops taking requests, finishes the batch in flight, answers what is queued
 with 503 and tells every rank to stop. Everything that can be checked (port, tokenizer, context) is
 checked on every rank before the weights are read. Under torchrun every rank also stops when the
@@ -25,10 +25,12 @@ from autotp.api import load_config
 from autotp.errors import AutotpError
 from autotp.generate import context_length
 from autotp.hub import resolve_model_dir
-from autotp.serve_api import Served
-from autotp.serve_engine import Control, Engine, StopFlag, follow, log
-from autotp.serve_guard import host_policy
-from autotp.serve_http import HttpThread, build_app, listen
+from autotp.serve.api import Served
+from autotp.serve.engine import Control, Engine, StopFlag, follow
+from autotp.serve.guard import host_policy
+from autotp.serve.http import HttpThread, build_app, listen
+from autotp.serve.types import log
+from autotp.tokenizer import load_tokenizer
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -49,16 +51,6 @@ def public_name(model: str) -> str:
     """What /v1/models shows and clients send: a directory's name, not its path; a hub id as given."""
     path = Path(model)
     return path.resolve().name if path.is_dir() else model
-
-
-def _tokenizer(model_dir):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(model_dir)
-    except (OSError, ValueError) as e:
-        raise AutotpError(f"autotp serve needs a tokenizer, and none loads from {model_dir} "
-                          f"({type(e).__name__})") from None
 
 
 def serve(model: str, model_id: str, host: str = "127.0.0.1", port: int = 8000, max_batch_size: int = 16,
@@ -85,7 +77,8 @@ def serve(model: str, model_id: str, host: str = "127.0.0.1", port: int = 8000, 
     limit = context_length(load_config(model_dir))
     if max_model_len is not None and max_model_len > limit:
         raise AutotpError(f"--max-model-len {max_model_len} exceeds the model's context of {limit} positions")
-    tokenizer = _tokenizer(model_dir)
+    tokenizer = load_tokenizer(model_dir, missing="autotp serve needs a tokenizer, and none loads from {source} "
+                                                  "({cause})")
     net = autotp.from_pretrained(model_dir, dtype=dtype, device=device)
     if env.group is not None:
         # ranks finish loading at different times: wait here under the process group's long timeout

@@ -1,0 +1,34 @@
+"""Tokenizers for `autotp generate` and `autotp serve`: loading one, and StarCoder's fill-in-the-middle prompt.
+
+No torch here (transformers is imported only when a tokenizer is loaded), so the serve API boundary can
+use it. Encoding and decoding are the tokenizer's own; this module does not wrap them.
+"""
+
+from __future__ import annotations
+
+from autotp.errors import AutotpError
+
+FIM_TOKENS = ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")
+
+
+def load_tokenizer(source: str, missing: str | None = None):
+    """The tokenizer at `source` (a directory or hub id). Where none loads: None if `missing` is None, else
+    an AutotpError whose message is `missing` with {source} and {cause} (the exception's type) filled in,
+    so each caller says in its own words what the user should do."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as e:
+        if missing is None:
+            return None
+        raise AutotpError(missing.format(source=source, cause=type(e).__name__)) from None
+
+
+def fim_prompt(tokenizer, prefix: str, suffix: str) -> str:
+    """StarCoder's prefix-suffix-middle prompt; the model writes the middle."""
+    vocab = tokenizer.get_vocab()
+    missing = [t for t in FIM_TOKENS if t not in vocab]
+    if missing:
+        raise AutotpError(f"--suffix needs fill-in-the-middle tokens, and this tokenizer lacks {', '.join(missing)}")
+    return f"<fim_prefix>{prefix}<fim_suffix>{suffix}<fim_middle>"
