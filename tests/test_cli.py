@@ -128,6 +128,27 @@ def test_bad_flags_are_one_line(checkpoint):
         "autotp: error: autotp plan: argument --tp: must be at least 1, got 0"]
 
 
+def test_help_and_flag_errors_import_neither_torch_nor_transformers():
+    # `autotp --help` and a bad flag answer at once (benchmarks/cli_startup.py times them): the package
+    # and the CLI import torch and transformers only inside the commands that use them.
+    code = ("import sys, autotp, autotp.cli\n"
+            "autotp.cli.build_parser().parse_args(['plan', '--tp', '1'])\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = run([sys.executable, "-c", code])
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
+
+
+def test_the_entry_points_resolve_on_first_use():
+    import autotp
+    from autotp import api
+
+    assert (autotp.from_pretrained, autotp.init_inference, autotp.InferenceEngine) == (
+        api.from_pretrained, api.init_inference, api.InferenceEngine)
+    assert set(autotp.__all__) <= set(dir(autotp))
+    with pytest.raises(AttributeError, match="no attribute 'from_pretrain'"):
+        _ = autotp.from_pretrain
+
+
 def test_a_failing_rank_stops_every_rank(checkpoint):
     model_dir, _ = checkpoint("mqa12")
     start = time.monotonic()

@@ -13,7 +13,6 @@ import sys
 import time
 import traceback
 
-from autotp import distributed
 from autotp.errors import AutotpError
 
 DTYPE_CHOICES = ["float32", "bfloat16", "float16"]
@@ -97,6 +96,7 @@ def cmd_generate(args) -> int:
     import torch
 
     import autotp
+    from autotp import distributed
     from autotp.api import load_config
     from autotp.generate import check_ids, generate
     from autotp.hub import resolve_model_dir
@@ -142,7 +142,7 @@ class Parser(argparse.ArgumentParser):
     """argparse, but a bad flag is one line (rank 0 only: every rank parses the same argv) and exit 2."""
 
     def error(self, message: str):
-        if distributed.rank() == 0:
+        if int(os.environ.get("RANK", 0)) == 0:  # the launcher's rank: flags are parsed before any process group
             print(f"autotp: error: {self.prog}: {message}", file=sys.stderr, flush=True)
         raise SystemExit(2)
 
@@ -214,6 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from autotp import distributed  # torch: paid only once the flags are good (--help and flag errors are instant)
+
     try:
         return args.func(args)
     except KeyboardInterrupt:
