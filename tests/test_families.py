@@ -106,3 +106,19 @@ def test_falcon_alibi_is_refused():
     cfg.alibi = True
     with pytest.raises(AutotpError, match="alibi=True is not supported: the ALiBi bias is built for all 5 heads"):
         plan_for(cfg)
+
+
+def test_inference_refuses_a_forward_whose_source_is_not_installed(monkeypatch):
+    """Zipapps and some frozen installs ship no .py: the forward cannot be checked, so nothing is inferred."""
+    import inspect
+
+    def no_source(obj):
+        raise OSError("could not get source code")
+
+    cfg = config("granite")
+    assert infer_plan(cfg).source == "inferred"  # unambiguous when the source can be read
+    monkeypatch.setattr(inspect, "getsource", no_source)
+    with pytest.raises(AutotpError, match=r"cannot read the source of GraniteAttention\.forward to check it "
+                                          r"\(could not get source code\)") as e:
+        plan_for(cfg)
+    assert "Inferred (" in str(e.value) and "Built-in plans: " in str(e.value)

@@ -12,7 +12,8 @@ Input embedding -> vocab-parallel, output embedding -> vocab-parallel with gathe
 Anything a shape cannot settle is refused, with the inferred plan printed: fused projections (their
 layout, blocks or per-head interleaved, is not in the shape), norms across heads (OLMo-2's q_norm over
 heads*d), a forward that reads head counts from the config or takes per-head ALiBi biases built for all
-heads, size attributes whose meaning is unknown, MoE routers.
+heads, size attributes whose meaning is unknown, MoE routers. A forward whose source is not installed
+(zipapps, some frozen installs) cannot be checked for the last two, so it is refused too.
 """
 
 from __future__ import annotations
@@ -127,7 +128,11 @@ def _attention_styles(linears, heads, kv_heads, d, hidden, problems) -> list[tup
 
 
 def _attention_attrs(attn, heads, kv_heads, d, problems) -> dict[str, str]:
-    source = inspect.getsource(type(attn).forward)
+    try:
+        source = inspect.getsource(type(attn).forward)
+    except (OSError, TypeError) as e:  # no .py file installed, or a forward that is not Python
+        problems.append(f"cannot read the source of {type(attn).__name__}.forward to check it ({e})")
+        source = ""
     if CONFIG_SIZES.search(source):
         problems.append(f"{type(attn).__name__}.forward reads head counts from the config")
     if "alibi" in source:
