@@ -1,4 +1,4 @@
-"""Shared by the benchmarks: the starcoderbase-1b-shaped checkpoint and RSS readings.
+"""Shared by the benchmarks: the starcoderbase-1b-shaped checkpoint, wide random weights, RSS readings, ports.
 
 The checkpoint has starcoderbase-1b's architecture (n_embd 2048, 16 heads multi-query, 24 layers,
 n_inner 8192, vocab 49152, n_positions 8192) with random weights, made once and cached under
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import resource
+import socket
 from pathlib import Path
 
 import torch
@@ -38,6 +39,25 @@ def starcoderbase_1b(dtype: str = "bfloat16") -> Path:
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     config.save_pretrained(out)
     return out
+
+
+def widen(model):
+    """Wide random weights in place, from torch's global generator (matrices N(0, 0.3), vectors N(0, 0.1)),
+    so greedy tokens depend on every slice; returns the model.
+
+    The benchmarks' recipe, kept as it was when their results were recorded; tests/checkpoints.py has the
+    tests' own (norms near 1). seed_repro/make_checkpoint.py writes this one inline: it runs in DeepSpeed
+    0.11.1's venv and imports nothing from here."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3) if p.dim() > 1 else p.normal_(0, 0.1)
+    return model
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def peak_rss_mib() -> float:

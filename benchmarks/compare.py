@@ -24,14 +24,13 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
-from common import CACHE, starcoderbase_1b, write_json
+from common import CACHE, free_port, starcoderbase_1b, widen, write_json
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results" / "compare.json"
@@ -48,30 +47,20 @@ TINY = dict(n_embd=384, n_head=12, n_layer=2, n_inner=1536, n_positions=256, voc
 def tiny(multi_query: bool) -> Path:
     """A tiny fp32 GPT-BigCode checkpoint (12 heads, so tp 2 and 4 split heads evenly), made once.
 
-    Wide random weights (as in the seed reproduction) make greedy tokens depend on every slice."""
+    Wide random weights (common.widen, as in the seed reproduction) make greedy tokens depend on every slice."""
     out = CACHE / f"compare-tiny-{'mqa' if multi_query else 'mha'}"
     if (out / "model.safetensors").exists():
         return out
     from transformers import GPTBigCodeConfig, GPTBigCodeForCausalLM
 
     torch.manual_seed(0)
-    model = GPTBigCodeForCausalLM(GPTBigCodeConfig(**TINY, multi_query=multi_query)).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.3) if p.dim() > 1 else p.normal_(0, 0.1)
-    model.save_pretrained(out)
+    widen(GPTBigCodeForCausalLM(GPTBigCodeConfig(**TINY, multi_query=multi_query)).eval()).save_pretrained(out)
     return out
 
 
 CHECKPOINTS = {"tiny-mqa": (lambda: tiny(True), "float32"), "tiny-mha": (lambda: tiny(False), "float32"),
                "1b-bf16": (lambda: starcoderbase_1b("bfloat16"), "bfloat16"),
                "1b-fp32": (lambda: starcoderbase_1b("float32"), "float32")}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def mem_available_mib() -> float:

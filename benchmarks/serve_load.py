@@ -16,14 +16,13 @@ import asyncio
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from common import write_json
+from common import free_port, write_json
 
 HERE = Path(__file__).parent
 START_TIMEOUT_S = 300
@@ -43,12 +42,6 @@ def pick_model(model: str | None, scratch: Path) -> tuple[str, str]:
         import fim_model
 
         return fim_model.build(scratch), "tests/fim_model.py (tiny random GPT-BigCode; the demo model is not installed)"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(model: str, tp: int, max_batch_size: int, log: Path) -> tuple[subprocess.Popen, str]:
