@@ -19,13 +19,19 @@ def build(name: str, **overrides) -> GPTBigCodeForCausalLM:
     config = GPTBigCodeConfig(n_layer=2, n_positions=64, vocab_size=101, bos_token_id=None, eos_token_id=None,
                               **{**CONFIGS[name], **overrides})
     torch.manual_seed(0)
-    model = GPTBigCodeForCausalLM(config).eval()
-    # HF's init (std 0.02, zero biases) gives near-uniform logits and degenerate greedy output; wide random
-    # weights and non-zero biases make tokens depend on every weight, so a wrong slice shows.
+    return widen(GPTBigCodeForCausalLM(config).eval())
+
+
+def widen(model):
+    """Wide random weights, in place, from torch's global generator; returns the model.
+
+    HF's init (std 0.02, zero biases) gives near-uniform logits and degenerate greedy output; wide random
+    weights and non-zero biases make tokens depend on every weight, so a wrong slice shows. Norms stay near
+    1 (weight 1 + N(0, 0.1), bias N(0, 0.1)), everything else is N(0, 0.3)."""
     with torch.no_grad():
-        for name_, p in model.named_parameters():
-            if ".ln_" in name_ or "ln_f" in name_:
-                p.copy_(1 + 0.1 * torch.randn_like(p) if name_.endswith("weight") else 0.1 * torch.randn_like(p))
+        for name, p in model.named_parameters():
+            if "norm" in name or ".ln" in name:  # LayerNorm/RMSNorm: ln_1, ln_f, input_layernorm, ...
+                p.copy_(1 + 0.1 * torch.randn_like(p) if name.endswith("weight") else 0.1 * torch.randn_like(p))
             else:
                 p.normal_(0, 0.3)
     return model

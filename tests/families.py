@@ -9,6 +9,7 @@ output depends on every weight.
 from __future__ import annotations
 
 import torch
+from checkpoints import widen
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import autotp
@@ -57,14 +58,7 @@ def config(name: str):
 
 def build(name: str):
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config(name), dtype=torch.float32).eval()
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if "norm" in pname or ".ln" in pname or "layernorm" in pname:
-                p.copy_(1 + 0.1 * torch.randn_like(p) if pname.endswith("weight") else 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0, 0.3)
-    return model
+    return widen(AutoModelForCausalLM.from_config(config(name), dtype=torch.float32).eval())
 
 
 def reference(model) -> dict:
