@@ -7,10 +7,10 @@ from safetensors.torch import load_file
 from test_parity import LOGIT_ATOL
 
 from autotp.errors import AutotpError
+from autotp.layout import resolve
 from autotp.plans import builtin_plans, plan_for
 from autotp.plans.infer import infer_plan
 from autotp.report import plan_report
-from autotp.shard import rank_shards
 from autotp.skeleton import skeleton
 
 
@@ -39,12 +39,12 @@ def test_family_parity(pools, family_checkpoint, name, tp):
     plan = plan_for(cfg)
     # every loaded tensor is exactly the planned slice of the checkpoint's (pure indexing: bit-exact)
     full = load_file(f"{model_dir}/model.safetensors")
-    shards = rank_shards(skeleton(cfg, torch.float32, buffers=False), plan, tp)
+    layout = resolve(skeleton(cfg, torch.float32, buffers=False), plan, tp)
     stored_as = {old: name for name, old in plan.checkpoint_names.items()}
     for r, rank in enumerate(ranks):
         for key, tensor in full.items():
             name = stored_as.get(key, key)
-            assert torch.equal(rank["state"][name], shards[r][name].take(tensor)), f"rank {r}: {key}"
+            assert torch.equal(rank["state"][name], layout.param(name).shards[r].take(tensor)), f"rank {r}: {key}"
     # fp32 logits within an all-reduce's rounding (see test_parity), scaled to these models' logit range
     atol = LOGIT_ATOL * max(1.0, ref["logits"].abs().max().item() / 10)
     for r, rank in enumerate(ranks):

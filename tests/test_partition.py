@@ -101,7 +101,7 @@ def test_colwise_blocks_and_rowwise_concatenate_back_for_linear_and_conv1d(size,
     concatenate back to it; rowwise pieces concatenate back along the inputs. nn.Linear.weight is (out, in),
     HF Conv1D's (in, out): the same style slices the other dim, and the same elements."""
     if tp > min(size, inp):
-        return  # rank_shards refuses empty slices; tested with the families
+        return  # layout.resolve refuses empty slices; tested with the families
     out = size * blocks
     module = Conv1D(out, inp) if conv else nn.Linear(inp, out, device="meta")
     out_dim = 1 if conv else 0

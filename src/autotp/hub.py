@@ -1,4 +1,4 @@
-"""Model directories: a local directory as is, a hub id downloaded once per node.
+"""Model directories: a local directory as is, a hub id downloaded once per node; its config.json.
 
 On a node, LOCAL_RANK 0 downloads into the huggingface_hub cache while the node's other ranks wait,
 then every rank reads the cached files. The wait does not use a collective (its timeout, 600 s by
@@ -11,6 +11,7 @@ progress. A failed download is the same one-line error on every rank. HF_HUB_OFF
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import socket
 import threading
@@ -18,6 +19,8 @@ import time
 from pathlib import Path
 
 import torch.distributed as dist
+from huggingface_hub.errors import StrictDataclassError
+from transformers import AutoConfig
 
 from autotp.errors import AutotpError
 
@@ -108,3 +111,21 @@ def _wait(store, key: str, repo_id: str) -> None:
     status = store.get(f"{key}/status").decode()
     if status != "ok":
         raise AutotpError(status.removeprefix("error:"))
+
+
+def load_config(model_dir: Path):
+    """config.json as a transformers config; one that is no JSON object, or that transformers rejects (its
+    strict fields, e.g. a string for n_layer), is an AutotpError naming the file."""
+    path = model_dir / "config.json"
+    if not path.exists():
+        raise AutotpError(f"no config.json in {model_dir}")
+    try:
+        fields = json.loads(path.read_text())
+    except (ValueError, OSError) as e:
+        raise AutotpError(f"cannot read {path}: {e}") from None
+    if not isinstance(fields, dict):
+        raise AutotpError(f"{path} is a JSON {type(fields).__name__}, not an object of config fields")
+    try:
+        return AutoConfig.from_pretrained(model_dir)
+    except (ValueError, KeyError, OSError, StrictDataclassError) as e:
+        raise AutotpError(f"cannot read {path}: {' '.join(str(e).split())}") from None

@@ -12,10 +12,11 @@ import re
 
 import torch
 
-from autotp.api import checkpoint_keys, load_config, parse_dtype, resolve_model_dir
+from autotp.api import parse_dtype
+from autotp.hub import load_config, resolve_model_dir
+from autotp.layout import resolve
 from autotp.loader import INDEX, SINGLE, Checkpoint
 from autotp.plans import plan_for
-from autotp.shard import parameter_names, rank_shards
 from autotp.skeleton import skeleton
 
 
@@ -23,26 +24,16 @@ def plan_report(model: str, tp: int, dtype: str | None = None) -> dict:
     model_dir = resolve_model_dir(model, patterns=["config.json"])
     config = load_config(model_dir)
     plan = plan_for(config)
-    heads = plan.heads(tp)
     has_weights = (model_dir / INDEX).exists() or (model_dir / SINGLE).exists()
     ckpt = Checkpoint(model_dir) if has_weights else None
     torch_dtype = parse_dtype(dtype) or (ckpt and ckpt.floating_dtype()) or _config_dtype(config)
-    net = skeleton(config, torch_dtype, buffers=False)
-    aliases = parameter_names(net)
-    if ckpt is not None:
-        checkpoint_keys(ckpt, net, plan)
+    layout = resolve(skeleton(config, torch_dtype, buffers=False), plan, tp, ckpt)
     ranks = []
-    for rank, shards in enumerate(rank_shards(net, plan, tp)):
-        tensors = []
-        for first, names in aliases.items():
-            param = net.get_parameter(first)
-            local = shards[first].local_shape(tuple(param.shape))
-            nbytes = param.element_size() * _numel(local)
-            tensors.append({"name": first, "tied": names[1:], "shape": list(param.shape),
-                            "holds": shards[first].describe(), "local_shape": list(local), "bytes": nbytes})
-        h = heads[rank]
+    for rank, h in enumerate(layout.heads):
+        tensors = [{"name": p.name, "tied": list(p.aliases), "shape": list(p.shape), "holds": p.shards[rank].describe(),
+                    "local_shape": list(p.local_shape(rank)), "bytes": p.nbytes(rank)} for p in layout.params.values()]
         ranks.append({"rank": rank, "q_heads": [h.q_start, h.q_stop], "kv_heads": [h.kv_start, h.kv_stop],
-                      "total_bytes": sum(t["bytes"] for t in tensors), "tensors": tensors})
+                      "total_bytes": layout.rank_bytes(rank), "tensors": tensors})
     return {"model": str(model), "family": plan.family, "plan_source": plan.source, "tp": tp,
             "dtype": str(torch_dtype).removeprefix("torch."), "checkpoint_headers": ckpt is not None,
             "num_heads": plan.num_heads, "num_kv_heads": plan.num_kv_heads, "ranks": ranks}
@@ -53,13 +44,6 @@ def _config_dtype(config) -> torch.dtype:
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype, None)
     return dtype if isinstance(dtype, torch.dtype) else torch.float32
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _human(n: int) -> str:

@@ -1,7 +1,7 @@
 """Parallel styles: the vocabulary a plan is written in, and the slice of each weight a style gives a rank.
 
-A style names how one module is partitioned; `shards()` turns that into a `TensorShard` per parameter
-(which rows or columns of the checkpoint tensor a rank holds) and `build()` makes the per-rank module.
+Every style has the two methods of `Style`: `shards()` gives the `TensorShard` of each parameter (which
+rows or columns of the checkpoint tensor a rank holds) and `build()` makes the per-rank module.
 Styles know layouts (`[Q | K | V]` blocks, per-head interleaving) but no model: the plans in `plans/` say
 which module gets which style.
 
@@ -12,7 +12,7 @@ which module gets which style.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 from torch import nn
@@ -89,25 +89,64 @@ class RankContext:
     heads: HeadShard | None  # None for plans without attention heads to split
 
 
-def _geometry(module: nn.Module) -> tuple[int, int, int]:
-    """(out_features, in_features, the weight dim that indexes outputs).
+@dataclass(frozen=True)
+class Geometry:
+    """Where a linear layer keeps its outputs and inputs; the one place that knows HF's `Conv1D`.
 
-    `nn.Linear.weight` is (out, in); HF's `Conv1D` (GPT-2) stores (in, out), so its outputs are dim 1.
-    Biases are (out,) either way.
+    `nn.Linear.weight` is (out, in): outputs along dim 0. HF's `Conv1D` (GPT-2) stores (in, out): outputs
+    along dim 1. Biases are (out,) either way.
     """
-    if isinstance(module, Conv1D):
-        return module.nf, module.nx, 1
-    return module.out_features, module.in_features, 0
+
+    out_features: int
+    in_features: int
+    conv1d: bool
+
+    @staticmethod
+    def of(module: nn.Module) -> Geometry:
+        if isinstance(module, Conv1D):
+            return Geometry(module.nf, module.nx, True)
+        return Geometry(module.out_features, module.in_features, False)
+
+    def outputs(self, ranges: list[Range]) -> TensorShard:
+        """The weight rows (Linear) or columns (Conv1D) of these output features."""
+        return TensorShard.along(1 if self.conv1d else 0, ranges)
+
+    def inputs(self, ranges: list[Range]) -> TensorShard:
+        """The weight columns (Linear) or rows (Conv1D) of these input features."""
+        return TensorShard.along(0 if self.conv1d else 1, ranges)
 
 
-def _local_out(module: nn.Module, shard: TensorShard) -> int:
-    out, inp, out_dim = _geometry(module)
-    return shard.local_shape((out, inp) if out_dim == 0 else (inp, out))[out_dim]
+class Style(Protocol):
+    """How one module is partitioned: the part of each parameter a rank holds, and the module it runs."""
+
+    def shards(self, module: nn.Module, ctx: RankContext) -> dict[str, TensorShard]:
+        """Parameter name -> the rank's part of it; a parameter left out is replicated."""
+
+    def build(self, module: nn.Module, ctx: RankContext, group) -> nn.Module:
+        """The rank's replacement for `module`, parameters on meta at their per-rank shapes."""
+
+
+class _ColumnParallel:
+    """Output features split across ranks, `out_ranges` saying which; the output stays sharded (no comms)."""
+
+    def out_ranges(self, out_features: int, ctx: RankContext) -> list[Range]:
+        raise NotImplementedError
+
+    def shards(self, module: nn.Module, ctx: RankContext) -> dict[str, TensorShard]:
+        geometry = Geometry.of(module)
+        ranges = self.out_ranges(geometry.out_features, ctx)
+        return {"weight": geometry.outputs(ranges), "bias": TensorShard.along(0, ranges)}
+
+    def build(self, module: nn.Module, ctx: RankContext, group) -> nn.Module:
+        g = Geometry.of(module)
+        out_per_rank = sum(b - a for a, b in self.out_ranges(g.out_features, ctx))
+        cls = layers.ColwiseConv1D if g.conv1d else layers.ColwiseLinear
+        return cls(g.in_features, out_per_rank, g.out_features, module.bias is not None, module.weight.dtype)
 
 
 @dataclass(frozen=True)
-class Colwise:
-    """Output features split across ranks; the output stays sharded (no communication).
+class Colwise(_ColumnParallel):
+    """Output features split across ranks.
 
     split: "even" for MLP-style dimensions, "q_heads"/"kv_heads" to follow the rank's attention heads.
     blocks: with "even", the outputs are `blocks` equal fused blocks (Phi-3's gate_up_proj is
@@ -130,19 +169,9 @@ class Colwise:
             return [(h.q_start * h.head_dim, h.q_stop * h.head_dim)]
         return [(h.kv_start * h.head_dim, h.kv_stop * h.head_dim)]
 
-    def shards(self, module: nn.Module, ctx: RankContext) -> dict[str, TensorShard]:
-        out, _, out_dim = _geometry(module)
-        ranges = self.out_ranges(out, ctx)
-        return {"weight": TensorShard.along(out_dim, ranges), "bias": TensorShard.along(0, ranges)}
-
-    def build(self, module: nn.Module, shards: dict[str, TensorShard], ctx: RankContext, group) -> nn.Module:
-        out, inp, out_dim = _geometry(module)
-        cls = layers.ColwiseConv1D if out_dim else layers.ColwiseLinear
-        return cls(inp, _local_out(module, shards["weight"]), out, module.bias is not None, module.weight.dtype)
-
 
 @dataclass(frozen=True)
-class FusedQKV(Colwise):
+class FusedQKV(_ColumnParallel):
     """A fused query/key/value projection; each rank keeps its query heads with the KV heads they use.
 
     layout "blocks":   outputs are [Q (heads*d) | K (kv_heads*d) | V (kv_heads*d)] (GPT-BigCode multi-query,
@@ -155,7 +184,11 @@ class FusedQKV(Colwise):
 
     layout: Literal["blocks", "grouped"] = "blocks"
 
+    def out_ranges(self, out_features: int, ctx: RankContext) -> list[Range]:
+        return self.row_ranges(ctx.heads)
+
     def row_ranges(self, h: HeadShard) -> list[Range]:
+        """The output rows of the query heads of `h` and of the KV heads they use, in the fused order."""
         d = h.head_dim
         if self.layout == "blocks":
             q_rows = h.total_q_heads * d
@@ -173,9 +206,6 @@ class FusedQKV(Colwise):
             ranges += [(base + q0 * d, base + q1 * d), (base + group * d, base + (group + 2) * d)]
         return ranges
 
-    def out_ranges(self, out_features: int, ctx: RankContext) -> list[Range]:
-        return self.row_ranges(ctx.heads)
-
 
 @dataclass(frozen=True)
 class Rowwise:
@@ -183,20 +213,21 @@ class Rowwise:
 
     split: Literal["even", "q_heads"] = "even"
 
-    def shards(self, module: nn.Module, ctx: RankContext) -> dict[str, TensorShard]:
-        _, inp, out_dim = _geometry(module)
+    def in_range(self, in_features: int, ctx: RankContext) -> Range:
         if self.split == "even":
-            cols = even_split(inp, ctx.tp)[ctx.rank]
-        else:
-            h = ctx.heads
-            cols = (h.q_start * h.head_dim, h.q_stop * h.head_dim)
-        return {"weight": TensorShard.along(1 - out_dim, [cols]), "bias": REPLICATED}
+            return even_split(in_features, ctx.tp)[ctx.rank]
+        h = ctx.heads
+        return h.q_start * h.head_dim, h.q_stop * h.head_dim
 
-    def build(self, module: nn.Module, shards: dict[str, TensorShard], ctx: RankContext, group) -> nn.Module:
-        out, inp, out_dim = _geometry(module)
-        (a, b), = shards["weight"].ranges
-        cls = layers.RowwiseConv1D if out_dim else layers.RowwiseLinear
-        return cls(b - a, out, inp, module.bias is not None, module.weight.dtype, group)
+    def shards(self, module: nn.Module, ctx: RankContext) -> dict[str, TensorShard]:
+        geometry = Geometry.of(module)
+        return {"weight": geometry.inputs([self.in_range(geometry.in_features, ctx)]), "bias": REPLICATED}
+
+    def build(self, module: nn.Module, ctx: RankContext, group) -> nn.Module:
+        g = Geometry.of(module)
+        a, b = self.in_range(g.in_features, ctx)
+        cls = layers.RowwiseConv1D if g.conv1d else layers.RowwiseLinear
+        return cls(b - a, g.out_features, g.in_features, module.bias is not None, module.weight.dtype, group)
 
 
 @dataclass(frozen=True)
@@ -206,13 +237,13 @@ class Vocab:
     def shards(self, module: nn.Module, ctx: RankContext) -> dict[str, TensorShard]:
         return {"weight": TensorShard.along(0, [even_split(module.num_embeddings, ctx.tp)[ctx.rank]])}
 
-    def build(self, module: nn.Module, shards: dict[str, TensorShard], ctx: RankContext, group) -> nn.Module:
+    def build(self, module: nn.Module, ctx: RankContext, group) -> nn.Module:
         # An embedding subclass with its own forward would lose it; the one such forward known is a scale.
         scale = getattr(module, "embed_scale", None)
         if type(module).forward is not nn.Embedding.forward and not isinstance(scale, torch.Tensor):
             raise AutotpError(f"{type(module).__name__} changes nn.Embedding's forward: the vocab style cannot "
                               "shard it")
-        (start, stop), = shards["weight"].ranges
+        start, stop = even_split(module.num_embeddings, ctx.tp)[ctx.rank]
         return layers.VocabParallelEmbedding(module.num_embeddings, module.embedding_dim, start, stop,
                                              module.padding_idx, module.weight.dtype, group, scale)
 
@@ -225,10 +256,8 @@ class VocabHead:
         rows = TensorShard.along(0, [even_split(module.out_features, ctx.tp)[ctx.rank]])
         return {"weight": rows, "bias": rows}
 
-    def build(self, module: nn.Module, shards: dict[str, TensorShard], ctx: RankContext, group) -> nn.Module:
-        out, inp, _ = _geometry(module)
-        sizes = [b - a for a, b in even_split(out, ctx.tp)]
-        return layers.VocabParallelLMHead(inp, sizes, module.bias is not None, module.weight.dtype, group, ctx.rank)
-
-
-Style = Colwise | FusedQKV | Rowwise | Vocab | VocabHead
+    def build(self, module: nn.Module, ctx: RankContext, group) -> nn.Module:
+        g = Geometry.of(module)
+        sizes = [b - a for a, b in even_split(g.out_features, ctx.tp)]
+        return layers.VocabParallelLMHead(g.in_features, sizes, module.bias is not None, module.weight.dtype, group,
+                                          ctx.rank)

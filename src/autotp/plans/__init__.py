@@ -6,6 +6,9 @@ One file per family (llama.py serves every Llama-layout family); `common.py` hol
 
 from __future__ import annotations
 
+import os
+
+from autotp.errors import AutotpError
 from autotp.plans.plan import Plan
 
 
@@ -29,4 +32,7 @@ def plan_for(config) -> Plan:
     family = getattr(config, "model_type", None)
     if family in builders:
         return builders[family](config)
+    if os.environ.get("AUTOTP_INFERRED_PLANS") == "0":
+        raise AutotpError(f"no built-in plan for {family!r} and AUTOTP_INFERRED_PLANS=0 refuses inferred ones; "
+                          f"built-in: {', '.join(sorted(builders))}")
     return infer_plan(config, supported=sorted(builders))

@@ -1,0 +1,137 @@
+"""The resolved layout: a plan applied to one model at one tp size, worked out once and validated once.
+
+Plan, then apply (torchtitan's order), with the per-tensor step in the middle made explicit:
+
+    plan (data, per family) + model tree + tp [+ checkpoint headers]  --resolve-->  Layout
+    Layout + rank + a function that produces each tensor               --shard.parallelize-->  rank's model
+
+A `Layout` holds each rank's heads, the module swaps (path -> style, the same paths on every rank) and,
+for every parameter, its names (tied weights have several), the checkpoint key that holds it, its global
+shape and dtype and the `TensorShard` each rank holds. Everything that can be wrong is found here, before
+a weight is read: heads vs tp, plan patterns that match no module, empty slices, tied weights split two
+ways, and with a checkpoint its missing, unused, mis-shaped and mis-typed tensors. The loader, the
+in-place path of `init_inference` and `autotp plan` all read the same object. Nothing here reads a
+weight or talks to another rank; the model may be a meta skeleton.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+from torch import nn
+
+from autotp.errors import AutotpError
+from autotp.loader import Checkpoint
+from autotp.partition import HeadShard
+from autotp.plans import Plan
+from autotp.styles import REPLICATED, RankContext, Style, TensorShard
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter of the model, as every rank will hold it."""
+
+    name: str  # its first name, in registration order
+    aliases: tuple[str, ...]  # its other names (weights tied to it)
+    key: str | None  # the checkpoint tensor it is read from; None when no checkpoint was given
+    shape: tuple[int, ...]  # global
+    dtype: torch.dtype
+    shards: tuple[TensorShard, ...]  # [rank] -> the part that rank holds
+
+    def local_shape(self, rank: int) -> tuple[int, ...]:
+        return self.shards[rank].local_shape(self.shape)
+
+    def nbytes(self, rank: int) -> int:
+        return math.prod(self.local_shape(rank)) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Layout:
+    plan: Plan
+    tp: int
+    heads: tuple[HeadShard, ...]  # [rank]
+    swaps: tuple[tuple[str, Style], ...]  # (module path, style) of every module the plan replaces, in model order
+    params: dict[str, Param]  # first name -> Param, in registration order
+
+    def param(self, name: str) -> Param:
+        """The Param reachable by `name`, its first name or an alias."""
+        return self.params[self._first[name]]
+
+    @cached_property
+    def _first(self) -> dict[str, str]:
+        return {n: p.name for p in self.params.values() for n in (p.name, *p.aliases)}
+
+    def rank_bytes(self, rank: int) -> int:
+        return sum(p.nbytes(rank) for p in self.params.values())
+
+
+def parameter_names(model: nn.Module) -> dict[str, list[str]]:
+    """Each parameter's first name -> all its names (tied weights have several), in registration order."""
+    by_id: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    return {names[0]: names for names in by_id.values()}
+
+
+def resolve(model: nn.Module, plan: Plan, tp: int, checkpoint: Checkpoint | None = None) -> Layout:
+    """The layout of `model` under `plan` at `tp` ranks; raises AutotpError on anything that cannot load."""
+    heads = tuple(plan.heads(tp))
+    swaps = _swaps(model, plan)
+    names = parameter_names(model)
+    per_rank = [_rank_shards(model, plan, swaps, names, RankContext(rank, tp, heads[rank])) for rank in range(tp)]
+    keys = _checkpoint_keys(checkpoint, model, plan, names) if checkpoint is not None else {}
+    params = {}
+    for first, all_names in names.items():
+        meta = model.get_parameter(first)
+        params[first] = Param(first, tuple(all_names[1:]), keys.get(first), tuple(meta.shape), meta.dtype,
+                              tuple(shards[first] for shards in per_rank))
+    return Layout(plan, tp, heads, swaps, params)
+
+
+def _swaps(model: nn.Module, plan: Plan) -> tuple[tuple[str, Style], ...]:
+    """(path, style) of every module the plan names; a plan pattern that matches nothing is an error."""
+    found, swaps = set(), []
+    for path, _ in model.named_modules():
+        hit = plan.match(path)
+        if hit is not None:
+            found.add(hit[0])
+            swaps.append((path, hit[1]))
+    missing = set(plan.layers) - found
+    if missing:
+        raise AutotpError(f"{plan.family} plan names modules this model does not have: {', '.join(sorted(missing))}")
+    return tuple(swaps)
+
+
+def _rank_shards(model: nn.Module, plan: Plan, swaps, names: dict[str, list[str]],
+                 ctx: RankContext) -> dict[str, TensorShard]:
+    """First name -> the part rank `ctx.rank` holds (REPLICATED where no style slices it)."""
+    by_name: dict[str, TensorShard] = {}
+    for path, style in swaps:
+        module = model.get_submodule(path)
+        for pname, shard in style.shards(module, ctx).items():
+            param = getattr(module, pname, None)
+            if param is None:
+                continue
+            if 0 in shard.local_shape(tuple(param.shape)):
+                raise AutotpError(f"tp_size {ctx.tp} leaves rank {ctx.rank} an empty slice of {path}.{pname} "
+                                  f"{tuple(param.shape)}: at most {param.shape[shard.dim]} ranks can share it")
+            by_name[f"{path}.{pname}"] = shard
+    shards = {}
+    for first, all_names in names.items():
+        distinct = {by_name.get(n, REPLICATED) for n in all_names}
+        if len(distinct) > 1:
+            raise AutotpError(f"tied weights {' and '.join(all_names)} are split differently by the {plan.family} plan")
+        shards[first] = distinct.pop()
+    return shards
+
+
+def _checkpoint_keys(checkpoint: Checkpoint, model: nn.Module, plan: Plan,
+                     names: dict[str, list[str]]) -> dict[str, str]:
+    """First name -> the checkpoint key holding it, any of its names or the older name the plan knows."""
+    expected = {first: all_names + [plan.checkpoint_names[n] for n in all_names if n in plan.checkpoint_names]
+                for first, all_names in names.items()}
+    metas = {first: model.get_parameter(first) for first in names}
+    return checkpoint.validate(expected, metas, getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])
