@@ -122,3 +122,17 @@ def test_inference_refuses_a_forward_whose_source_is_not_installed(monkeypatch):
                                           r"\(could not get source code\)") as e:
         plan_for(cfg)
     assert "Inferred (" in str(e.value) and "Built-in plans: " in str(e.value)
+
+
+def test_an_inferred_plan_is_announced_at_load_and_can_be_refused(capsys, monkeypatch):
+    """The user learns that no built-in plan exists, how to see the inferred one, and how to refuse it."""
+    import autotp
+
+    model = build("granite")
+    autotp.init_inference(model)
+    err = capsys.readouterr().err
+    assert "autotp: no built-in plan for granite: using one inferred from its modules" in err
+    assert "AUTOTP_INFERRED_PLANS=0 refuses it" in err
+    monkeypatch.setenv("AUTOTP_INFERRED_PLANS", "0")
+    with pytest.raises(AutotpError, match="no built-in plan for 'granite' and AUTOTP_INFERRED_PLANS=0 refuses"):
+        autotp.init_inference(build("granite"))
