@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from checkpoints import widen
 
 SPECIAL = ["<|endoftext|>", "<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<fim_pad>"]
 CORPUS = ["def add(a, b):\n    return a + b\n", "def print_hello_world():\n    print('hello world')\n",
@@ -42,9 +43,5 @@ def build(directory: Path, n_positions: int = 128) -> str:
     config = GPTBigCodeConfig(n_layer=2, n_embd=64, n_head=4, multi_query=True, n_inner=150, n_positions=n_positions,
                               vocab_size=len(tok), bos_token_id=eos, eos_token_id=eos)
     torch.manual_seed(0)
-    model = GPTBigCodeForCausalLM(config).eval()
-    with torch.no_grad():  # wide weights: greedy output that depends on every weight, not near-uniform logits
-        for p in model.parameters():
-            p.normal_(0, 0.3)
-    model.save_pretrained(directory)
+    widen(GPTBigCodeForCausalLM(config).eval()).save_pretrained(directory)
     return str(directory)
