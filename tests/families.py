@@ -43,10 +43,16 @@ FAMILIES = {
                                   new_decoder_architecture=True)),
     "falcon_mha": ("falcon", dict(hidden_size=40, num_attention_heads=5, multi_query=False, parallel_attn=False)),
     "opt": ("opt", dict(hidden_size=48, num_attention_heads=6, ffn_dim=90, word_embed_proj_dim=48)),
+    # ALiBi: head counts that are no power of 2 (the slopes' second series), uneven at tp 2, 3 and 4
+    "bloom": ("bloom", dict(hidden_size=70, n_head=7, tie_word_embeddings=True)),  # tied, as BLOOM ships
+    "falcon_alibi": ("falcon", dict(hidden_size=40, num_attention_heads=5, multi_query=False, parallel_attn=False,
+                                    alibi=True, bias=True)),  # Falcon-RW's layout
+    "mpt": ("mpt", dict(d_model=42, n_heads=7, max_seq_len=64)),
     # no built-in plan: plan_for infers one from the module tree
     "granite": ("granite", LLAMA_LIKE | dict(num_key_value_heads=4)),
 }
-GLOBAL_SIZES = ("num_attention_heads", "num_key_value_heads", "num_kv_heads", "n_head", "hidden_size", "n_embd")
+GLOBAL_SIZES = ("num_attention_heads", "num_key_value_heads", "num_kv_heads", "n_head", "n_heads", "hidden_size",
+                "n_embd", "d_model")
 PROMPT = [[3, 17, 42, 8, 99, 51, 23]]
 NEW_TOKENS = 16
 

@@ -101,10 +101,11 @@ def test_query_heads_not_grouping_over_kv_heads_is_an_error():
         plan_for(cfg).heads(2)
 
 
-def test_falcon_alibi_is_refused():
-    cfg = config("falcon_mha")
-    cfg.alibi = True
-    with pytest.raises(AutotpError, match="alibi=True is not supported: the ALiBi bias is built for all 5 heads"):
+def test_bloom_slow_but_exact_is_refused():
+    """BLOOM's slow_but_exact path slices dense's weight itself, bypassing the row-parallel layer."""
+    cfg = config("bloom")
+    cfg.pretraining_tp, cfg.slow_but_exact = 4, True
+    with pytest.raises(AutotpError, match="slow_but_exact=True and pretraining_tp=4 is not supported"):
         plan_for(cfg)
 
 
@@ -136,3 +137,16 @@ def test_an_inferred_plan_is_announced_at_load_and_can_be_refused(capsys, monkey
     monkeypatch.setenv("AUTOTP_INFERRED_PLANS", "0")
     with pytest.raises(AutotpError, match="no built-in plan for 'granite' and AUTOTP_INFERRED_PLANS=0 refuses"):
         autotp.init_inference(build("granite"))
+
+
+def test_per_head_inputs_that_cannot_be_narrowed_are_errors():
+    from autotp.head_inputs import NarrowHeads, narrow_heads
+
+    heads = plan_for(config("bloom")).heads(2)[1]  # heads 4:7 of 7
+    bias = torch.arange(2 * 7 * 5.0).reshape(2 * 7, 1, 5)  # (batch * heads, 1, k)
+    assert torch.equal(narrow_heads(bias, heads), bias.reshape(2, 7, 1, 5)[:, 4:].reshape(6, 1, 5))
+    assert narrow_heads(torch.ones(2, 1, 3, 5), heads).shape == (2, 1, 3, 5)  # no heads dim: broadcast
+    with pytest.raises(AutotpError, match=r"shape \(9, 1, 5\) has 9 rows at dim -3, not a multiple of the model's 7"):
+        narrow_heads(torch.ones(9, 1, 5), heads)
+    with pytest.raises(AutotpError, match="BloomAttention was called without alibi= as a keyword"):
+        NarrowHeads(("alibi",), heads)(type("BloomAttention", (), {})(), (bias,), {})

@@ -185,41 +185,49 @@ class Checkpoint:
         return keys
 
     def read(self, key: str, shard: TensorShard, dtype: torch.dtype | None) -> torch.Tensor:
-        """Read only `shard` of tensor `key` into a new tensor, converting floating-point data to `dtype`.
-
-        safetensors' slices view its memory map, and every page they touch stays resident until the file
-        is closed. So the shard is read in blocks of rows of at most `block_bytes`, the file opened and
-        closed per block, and each block copied (and converted) into a tensor of our own: the transient
-        is one block, not one whole tensor (a replicated 8192 x 6144 bf16 wpe is 96 MiB).
-        """
+        """Read only `shard` of tensor `key` into a new tensor, converting floating-point data to `dtype`."""
         entry = self.entries[key]
         target = dtype if dtype is not None and entry.dtype.is_floating_point else entry.dtype
         out = torch.empty(shard.local_shape(entry.shape), dtype=target)
-        for source, dest in _blocks(shard, entry.shape, entry.dtype.itemsize, self.block_bytes):
-            with safe_open(entry.file, framework="pt") as f:
-                part = f.get_slice(key)[source] if entry.shape else f.get_tensor(key)
-                out[dest].copy_(part)
-                self.bytes_read += part.numel() * part.element_size()
-                del part
+        for start, block in self.row_blocks(key, shard, dtype):
+            if entry.shape:
+                out[start:start + block.shape[0]] = block
+            else:
+                out.copy_(block)
         return out
 
+    def row_blocks(self, key: str, shard: TensorShard, dtype: torch.dtype | None, rows: int | None = None):
+        """`shard` of tensor `key` as consecutive blocks of the rank's rows: (first local row, block).
 
-def _blocks(shard: TensorShard, shape: tuple[int, ...], itemsize: int, block_bytes: int):
-    """(index into the checkpoint tensor, index into the rank's tensor) for each block of rows to read."""
-    if not shape:
-        yield (), ()
-        return
-    if shard.dim not in (None, 0, 1):
-        raise AutotpError(f"autotp slices along dims 0 and 1, not {shard.dim}")
-    rows = max(1, block_bytes // max(1, math.prod(shape[1:]) * itemsize))
-    offset = 0
-    for a, b in [(0, shape[0])] if shard.replicated else shard.reads():
-        if shard.dim == 1:  # columns a:b of every row, into columns offset:offset+(b-a)
-            for r0 in range(0, shape[0], rows):
-                r1 = min(r0 + rows, shape[0])
-                yield (slice(r0, r1), slice(a, b)), (slice(r0, r1), slice(offset, offset + b - a))
-        else:  # rows a:b, into rows offset:offset+(b-a)
+        safetensors' slices view its memory map, and every page they touch stays resident until the file
+        is closed. So the shard is read in blocks of at most `block_bytes` (or `rows` rows, for readers that
+        need blocks aligned to groups), the file opened and closed per block, and each block copied (and
+        converted to `dtype` if floating) into a tensor of our own: the transient is one block, not one
+        whole tensor (a replicated 8192 x 6144 bf16 wpe is 96 MiB). A 0-d tensor is one block.
+        """
+        entry = self.entries[key]
+        target = dtype if dtype is not None and entry.dtype.is_floating_point else entry.dtype
+        if shard.dim not in (None, 0, 1):
+            raise AutotpError(f"autotp slices along dims 0 and 1, not {shard.dim}")
+        if not entry.shape:
+            with safe_open(entry.file, framework="pt") as f:
+                yield 0, self._own(f.get_tensor(key), target)
+            return
+        rows = rows or max(1, self.block_bytes // max(1, math.prod(entry.shape[1:]) * entry.dtype.itemsize))
+        row_ranges = shard.reads() if shard.dim == 0 else [(0, entry.shape[0])]
+        columns = [slice(a, b) for a, b in shard.reads()] if shard.dim == 1 else [slice(None)]
+        local = 0
+        for a, b in row_ranges:
             for r0 in range(a, b, rows):
                 r1 = min(r0 + rows, b)
-                yield (slice(r0, r1),), (slice(offset + r0 - a, offset + r1 - a),)
-        offset += b - a
+                with safe_open(entry.file, framework="pt") as f:
+                    source = f.get_slice(key)
+                    parts = [self._own(source[r0:r1, c] if shard.dim == 1 else source[r0:r1], target)
+                             for c in columns]
+                yield local, parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+                local += r1 - r0
+
+    def _own(self, part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A copy of a view into the file mapping, in `dtype`; counts the bytes read."""
+        self.bytes_read += part.numel() * part.element_size()
+        return torch.empty(part.shape, dtype=dtype).copy_(part)

@@ -4,7 +4,8 @@ Model-agnostic: what to swap and which part of each tensor the rank holds come f
 tensor itself comes from a `produce` callback (the sliced checkpoint reader for `from_pretrained`, slicing
 the already-loaded weight for `init_inference`). The model's forward is never touched; only the attention
 modules' per-rank attributes named by the plan are set, and the model's config keeps the global sizes
-(attention modules whose forward reads sizes from the config get a per-rank copy of it).
+(attention modules whose forward reads sizes from the config get a per-rank copy of it; inputs the model
+builds for all heads, like ALiBi biases, are narrowed to the rank's heads by a hook on each attention).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from autotp.errors import AutotpError
+from autotp.head_inputs import NarrowHeads
 from autotp.layout import Layout, Param
 from autotp.styles import RankContext, Style, TensorShard
 
@@ -70,3 +72,5 @@ def parallelize(model: nn.Module, layout: Layout, rank: int, group, produce: Pro
                 setattr(module, attr, getattr(ctx.heads, prop))
             if plan.attention_config:
                 module.config = rank_config
+            if plan.head_inputs:  # e.g. ALiBi biases built for all heads: this rank's heads only
+                module.register_forward_pre_hook(NarrowHeads(plan.head_inputs, ctx.heads), with_kwargs=True)

@@ -4,20 +4,19 @@ new_decoder_architecture (Falcon-40B/180B): (kv_heads, heads/kv_heads + 2, d), "
     query heads are part of a group keeps them with the group's K and V.
 multi_query (Falcon-7B): [Q (heads*d) | K (d) | V (d)], "blocks" with one KV head, replicated.
 neither: per-head interleaved (heads, 3, d), "grouped" with groups of one.
-FalconAttention reads `num_heads` and `num_kv_heads` (both per rank). ALiBi (alibi=True) is refused: the
-model computes one bias per global head and the attention views it with the per-rank head count.
+FalconAttention reads `num_heads` and `num_kv_heads` (both per rank). With alibi=True FalconModel keeps the
+global head count: it builds the bias for all heads, (batch * heads, 1, k), and folds it into the causal
+mask, (batch, heads, q, k); the slopes depend on the global count, so both `alibi` and `attention_mask` are
+named in `head_inputs` and each rank's attention receives its heads' rows (a mask without heads, size 1 at
+dim -3, passes as is).
 """
 
-from autotp.errors import AutotpError
 from autotp.plans.common import head_dim
 from autotp.plans.plan import Plan
 from autotp.styles import Colwise, FusedQKV, Rowwise, Vocab, VocabHead
 
 
 def plan(config) -> Plan:
-    if config.alibi:
-        raise AutotpError("Falcon with alibi=True is not supported: the ALiBi bias is built for all "
-                          f"{config.num_attention_heads} heads in the model's forward, not per rank")
     heads = config.num_attention_heads
     if config.new_decoder_architecture:
         kv_heads, layout = config.num_kv_heads, "grouped"
@@ -40,4 +39,5 @@ def plan(config) -> Plan:
         },
         attention="transformer.h.*.self_attention",
         attention_attrs={"num_heads": "q_heads", "num_kv_heads": "kv_heads"},
+        head_inputs=("alibi", "attention_mask") if config.alibi else (),
     )

@@ -29,6 +29,9 @@ class Plan:
     # config.num_attention_heads * head_dim): the attention modules get one per-rank shallow copy of the
     # config with these set to the HeadShard property; the model's own config keeps the global numbers.
     attention_config: dict[str, str] = field(default_factory=dict)
+    # Keyword arguments of the attention forward that the model builds for all heads (ALiBi biases, masks
+    # with the bias folded in), heads at dim -3: each rank's attention gets only its heads (autotp.head_inputs).
+    head_inputs: tuple[str, ...] = ()
     unused_buffers: tuple[str, ...] = ()  # buffers HF builds but the forward never reads: freed on every rank
     source: str = "built-in"
     # model parameter name -> the name older checkpoints store it under (transformers 5 renames some on
