@@ -48,6 +48,8 @@ FAMILIES = {
     "falcon_alibi": ("falcon", dict(hidden_size=40, num_attention_heads=5, multi_query=False, parallel_attn=False,
                                     alibi=True, bias=True)),  # Falcon-RW's layout
     "mpt": ("mpt", dict(d_model=42, n_heads=7, max_seq_len=64)),
+    # 8 heads in mp_num 4 blocks of 2: at tp 3 (3, 3, 2 heads) rank 0's heads span two blocks
+    "codegen": ("codegen", dict(n_embd=64, n_head=8, rotary_dim=4, n_inner=90, n_positions=64)),
     # no built-in plan: plan_for infers one from the module tree
     "granite": ("granite", LLAMA_LIKE | dict(num_key_value_heads=4)),
 }

@@ -139,6 +139,39 @@ def test_an_inferred_plan_is_announced_at_load_and_can_be_refused(capsys, monkey
         autotp.init_inference(build("granite"))
 
 
+@pytest.mark.parametrize("tp", [2, 3, 4, 5])
+def test_codegen_qkv_with_heads_straddling_mp_num_blocks(tp):
+    """CodeGen's 4 blocks of [Q | V | K] hold 5 heads of 8 here (10 rows per part per block), so heads
+    straddle blocks: each rank's rows, fed to HF's own attention with the plan's per-rank attributes, sum
+    (over the row-parallel out_proj) to the unsharded attention's output."""
+    import copy
+
+    from transformers import CodeGenConfig
+    from transformers.models.codegen.modeling_codegen import CodeGenAttention, CodeGenRotaryEmbedding
+
+    from autotp.partition import assign_heads
+    from autotp.styles import BlockInterleavedQKV, RankContext, TensorShard
+
+    cfg = CodeGenConfig(n_embd=40, n_head=5, rotary_dim=4, n_layer=1)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    attn = CodeGenAttention(cfg, 0).eval()
+    x = torch.randn(2, 6, 40)
+    pos = CodeGenRotaryEmbedding(cfg)(x, torch.arange(6)[None])
+    attrs = plan_for(cfg).attention_attrs
+    with torch.no_grad():
+        total = torch.zeros(2, 6, 40)
+        for rank, h in enumerate(assign_heads(5, 5, 8, tp)):
+            part = copy.deepcopy(attn)
+            rows = BlockInterleavedQKV().out_ranges(120, RankContext(rank, tp, h))
+            part.qkv_proj.weight = torch.nn.Parameter(TensorShard.along(0, rows).take(attn.qkv_proj.weight))
+            part.out_proj.weight = torch.nn.Parameter(attn.out_proj.weight[:, h.q_start * 8:h.q_stop * 8])
+            for attr, prop in attrs.items():
+                setattr(part, attr, getattr(h, prop))
+            total += part(x, pos)[0]
+        torch.testing.assert_close(total, attn(x, pos)[0], rtol=0, atol=1e-6)
+
+
 def test_per_head_inputs_that_cannot_be_narrowed_are_errors():
     from autotp.head_inputs import NarrowHeads, narrow_heads
 

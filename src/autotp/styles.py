@@ -261,3 +261,38 @@ class VocabHead:
         sizes = [b - a for a, b in even_split(g.out_features, ctx.tp)]
         return layers.VocabParallelLMHead(g.in_features, sizes, module.bias is not None, module.weight.dtype, group,
                                           ctx.rank)
+
+
+@dataclass(frozen=True)
+class BlockInterleavedQKV(_ColumnParallel):
+    """A fused projection interleaved in `blocks` equal blocks, each `parts` equal parts (CodeGen's qkv_proj:
+    4 blocks of [Q | V | K], each part heads*d/4 wide). Part p of every block, in block order, is that
+    projection's heads*d outputs, head after head (a head may straddle two blocks).
+
+    A rank keeps, for each of its query heads in order, the head's d rows of each part: its output is
+    q_heads blocks of one head each, [part 0 | part 1 | ...] of d rows, so the forward reads the same heads
+    when the attention's per-rank block count is its query head count (the plan sets it) and its width is
+    q_heads*d. Exact: no head is split, any tp up to the head count works.
+    """
+
+    blocks: int = 4
+    parts: int = 3
+
+    def out_ranges(self, out_features: int, ctx: RankContext) -> list[Range]:
+        h = ctx.heads
+        width = h.total_q_heads * h.head_dim  # one part of all blocks
+        if out_features != self.parts * width or width % self.blocks:
+            raise AutotpError(f"{out_features} fused outputs are not {self.blocks} blocks of {self.parts} parts "
+                              f"of {h.total_q_heads} heads x {h.head_dim} / {self.blocks}")
+        part = width // self.blocks  # the rows of one part in one block
+        ranges = []
+        for head in range(h.q_start, h.q_stop):
+            for p in range(self.parts):
+                a, b = head * h.head_dim, (head + 1) * h.head_dim  # within part p, all blocks concatenated
+                while a < b:  # split where the head crosses a block boundary
+                    block, offset = divmod(a, part)
+                    stop = min(b, (block + 1) * part)
+                    start_row = block * self.parts * part + p * part + offset
+                    ranges.append((start_row, start_row + stop - a))
+                    a = stop
+        return ranges
