@@ -118,3 +118,14 @@ def user_generate(model_dir: str, how: str, seed: int | None = None, seed_per_ra
     with torch.no_grad():
         return model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, top_k=0,
                               max_new_tokens=24, pad_token_id=0).tolist()
+
+
+def quant_rank_outputs(model_dir: str, quantize: str, group_size: int) -> dict:
+    """A rank of a quantized model: its quantized tensors, the prompt's logits, the greedy continuation."""
+    model = autotp.from_pretrained(model_dir, quantize=quantize, group_size=group_size)
+    ids = torch.tensor([[3, 17, 42, 8, 99, 51, 23]])
+    with torch.no_grad():
+        logits = model(ids).logits
+    state = {k: v.clone() for k, v in model.state_dict().items() if k.endswith((".qweight", ".scales"))}
+    return {"state": state, "logits": logits, "greedy": generate(model, ids, max_new_tokens=16).tolist(),
+            "bytes": model.autotp.param_bytes}

@@ -23,6 +23,8 @@ from autotp.hub import load_config, resolve_model_dir
 from autotp.layout import Param, resolve
 from autotp.loader import Checkpoint
 from autotp.plans import Plan, plan_for
+from autotp.quant import INT4_GROUP, Quant, QuantizedWeight, check_kernel
+from autotp.quant_load import quantize_loaded, quantize_slice
 from autotp.shard import parallelize
 from autotp.skeleton import skeleton
 from autotp.styles import TensorShard
@@ -59,17 +61,30 @@ def _check_tp(tp: int | None, world: int) -> int:
 
 
 def _param_bytes(model: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of the weights this rank holds: parameters, and quantized weights with their scales."""
+    quantized = sum(m.nbytes() for m in model.modules() if isinstance(m, QuantizedWeight))
+    return quantized + sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _reduce_max(group):
+    """In-place MAX over the ranks of `group` (the identity on one rank): int8 row maxima while loading."""
+    if group is None:
+        return lambda t: None
+    return lambda t: torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group)
 
 
 def from_pretrained(model: str | os.PathLike, dtype: str | torch.dtype | None = None, tp_size: int | None = None,
-                    device: str | torch.device | None = None, check_inputs: bool = True) -> nn.Module:
+                    device: str | torch.device | None = None, check_inputs: bool = True,
+                    quantize: str | None = None, group_size: int = INT4_GROUP) -> nn.Module:
     """Load this rank's shard of a safetensors causal LM; every rank reads only its own slices.
 
     model: a local directory or a hub id (downloaded once per node). dtype: None keeps the checkpoint's
     floating dtype. tp_size: defaults to WORLD_SIZE (must equal it). device: defaults to
     cuda:LOCAL_RANK or cpu. check_inputs: raise when ranks feed different input ids (autotp.guard).
+    quantize: "int8" or "int4" (group_size input features per group) stores the linear layers' weights
+    quantized, each slice quantized as it is read (autotp.quant).
     """
+    quant = Quant.parse(quantize, group_size)
     dtype = parse_dtype(dtype)
     env = distributed.init(device)
     tp = _check_tp(tp_size, env.world_size)
@@ -79,14 +94,19 @@ def from_pretrained(model: str | os.PathLike, dtype: str | torch.dtype | None = 
     ckpt = Checkpoint(model_dir)
     dtype = dtype or ckpt.floating_dtype() or torch.float32
     net = skeleton(config, dtype)
-    layout = resolve(net, plan, tp, ckpt)  # everything checked before the first weight is read
+    if quant is not None:
+        check_kernel(quant.kind, env.device, dtype)
+    layout = resolve(net, plan, tp, ckpt, quant)  # everything checked before the first weight is read
     progress = tqdm(total=len(layout.params), desc=f"loading {plan.family} tp={tp}", unit="tensor",
                     disable=env.rank != 0 or not sys.stderr.isatty())
+    reduce_max = _reduce_max(env.group)
 
-    def read(param: Param, shard: TensorShard, meta: nn.Parameter) -> torch.Tensor:
-        tensor = ckpt.read(param.key, shard, dtype if meta.is_floating_point() else None)
+    def read(param: Param, shard: TensorShard, meta: nn.Parameter) -> torch.Tensor | QuantizedWeight:
         progress.update()
-        return tensor.to(env.device)
+        if param.quant is not None:
+            return quantize_slice(lambda rows: ckpt.row_blocks(param.key, shard, dtype, rows), param.quant,
+                                  param.local_shape(env.rank), dtype, env.device, reduce_max)
+        return ckpt.read(param.key, shard, dtype if meta.is_floating_point() else None).to(env.device)
 
     parallelize(net, layout, env.rank, env.group, read)
     progress.close()
@@ -116,21 +136,28 @@ def _finish(model: nn.Module, env: distributed.Dist, check_inputs: bool) -> None
 
 def init_inference(model: nn.Module, mp_size: int | None = None, tensor_parallel=None,
                    dtype: str | torch.dtype | None = None, device: str | torch.device | None = None,
-                   check_inputs: bool = True, **kwargs) -> InferenceEngine:
+                   check_inputs: bool = True, quantize: str | None = None, group_size: int = INT4_GROUP,
+                   **kwargs) -> InferenceEngine:
     """Shard an already-loaded HF model in place, DeepSpeed-style.
 
     Accepts DeepSpeed's call shapes: `init_inference(model, mp_size=4)` and
     `init_inference(model, tensor_parallel={"enabled": True, "tp_size": 4})`. Each planned weight is
-    sliced and the full one dropped module by module; DeepSpeed kernel-injection options are ignored.
+    sliced (and quantized, with `quantize=`) and the full one dropped module by module; DeepSpeed
+    kernel-injection options are ignored.
     """
     mp_size = deepspeed_compat.tp_size(mp_size, tensor_parallel, kwargs)
+    quant = Quant.parse(quantize, group_size)
     dtype = parse_dtype(dtype)
     env = distributed.init(device)
     tp = _check_tp(mp_size, env.world_size)
     plan = _plan(model.config)
-    layout = resolve(model, plan, tp)
+    if quant is not None:
+        check_kernel(quant.kind, env.device, dtype or next(model.parameters()).dtype)
+    layout = resolve(model, plan, tp, quant=quant, dtype=dtype)
 
-    def take(param: Param, shard: TensorShard, full: nn.Parameter) -> torch.Tensor:
+    def take(param: Param, shard: TensorShard, full: nn.Parameter) -> torch.Tensor | QuantizedWeight:
+        if param.quant is not None:
+            return quantize_loaded(full.detach(), shard, param.quant, param.dtype, env.device)
         tensor = shard.take(full.detach())
         if dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(dtype)

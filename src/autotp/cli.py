@@ -16,6 +16,7 @@ import traceback
 from autotp.errors import AutotpError
 
 DTYPE_CHOICES = ["float32", "bfloat16", "float16"]
+QUANTIZE_CHOICES = ["int8", "int4"]  # autotp.quant.KINDS, without importing torch for the flags
 DEMO_ID = "autotp-demo"  # the name `autotp serve` gives the embedded demo model
 
 
@@ -66,7 +67,7 @@ def id_list(text: str) -> list[int]:
 def cmd_plan(args) -> int:
     from autotp.report import format_report, plan_report
 
-    report = plan_report(args.model or default_model(), args.tp, args.dtype)
+    report = plan_report(args.model or default_model(), args.tp, args.dtype, args.quantize, args.group_size)
     print(json.dumps(report) if args.json else format_report(report))
     return 0
 
@@ -120,7 +121,8 @@ def cmd_generate(args) -> int:
         raise AutotpError("the prompt is empty")
     check_ids(config, ids)  # generate() checks again; here it fails before the weights are read
 
-    model = autotp.from_pretrained(model_dir, dtype=args.dtype, device=args.device)
+    model = autotp.from_pretrained(model_dir, dtype=args.dtype, device=args.device, quantize=args.quantize,
+                                   group_size=args.group_size)
     if text is not None and args.prompt is not None and not args.json and args.suffix is None:
         distributed.print0(args.prompt, end="")
     do_sample = args.do_sample and sampling.temperature > 0  # below sampling.GREEDY_BELOW: greedy, as served
@@ -152,8 +154,16 @@ def cmd_serve(args) -> int:
 
     return serve(args.model or default_model(), model_id=args.model or DEMO_ID, host=args.host, port=args.port,
                  max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, dtype=args.dtype,
-                 device=args.device, max_body_bytes=args.max_body_bytes, read_timeout=args.read_timeout,
+                 quantize=args.quantize, group_size=args.group_size, device=args.device,
+                 max_body_bytes=args.max_body_bytes, read_timeout=args.read_timeout,
                  allowed_hosts=args.allowed_hosts, api_key=args.api_key or os.environ.get("AUTOTP_API_KEY"))
+
+
+def add_quantize_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quantize", choices=QUANTIZE_CHOICES,
+                        help="store the linear layers' weights as int8 (per output channel) or int4 (groups)")
+    parser.add_argument("--group-size", type=positive_int, default=128,
+                        help="input features per int4 group, a multiple of 32 (default 128)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -164,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--model", help="model directory or hub id (default: the embedded demo model)")
     plan.add_argument("--tp", type=positive_int, required=True, help="number of tensor-parallel ranks")
     plan.add_argument("--dtype", choices=DTYPE_CHOICES, help="dtype for byte counts (default: checkpoint/config)")
+    add_quantize_flags(plan)
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     plan.set_defaults(func=cmd_plan)
 
@@ -181,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--num-beams", type=positive_int, default=1, help="beam search width")
     gen.add_argument("--seed", type=int, help="sampling seed (default: drawn on rank 0, shared)")
     gen.add_argument("--dtype", choices=DTYPE_CHOICES, help="weights dtype (default: as stored)")
+    add_quantize_flags(gen)
     gen.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available, else cpu")
     gen.add_argument("--json", action="store_true", help='print {"output_ids": ..., "text": ...} on rank 0')
     # the `deepspeed` launcher appends --local_rank=N; LOCAL_RANK in the environment says the same
@@ -197,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-model-len", type=positive_int, help="prompt + completion tokens per request "
                                                                 "(default: the model's context)")
     srv.add_argument("--dtype", choices=DTYPE_CHOICES, help="weights dtype (default: as stored)")
+    add_quantize_flags(srv)
     srv.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available, else cpu")
     srv.add_argument("--max-body-bytes", type=positive_int, default=2**21,
                      help="largest request body; more is refused with 413 (default 2 MiB)")

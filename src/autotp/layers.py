@@ -3,7 +3,8 @@
 They are created with parameters on the meta device at their per-rank shapes; whoever creates them
 (the sliced loader, or `init_inference` slicing a loaded model) assigns the real tensors. Each keeps
 the global size under its own name (`out_features_global`, `num_embeddings_global`) beside the
-per-rank one, so `print(model)` shows both.
+per-rank one, so `print(model)` shows both. A column- or row-parallel layer's `weight` may be a
+`quant.QuantizedWeight` instead of a Parameter (weight-only int8/int4): the forward then runs its kernel.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autotp.collectives import all_gather_last_dim, all_reduce_sum
+from autotp.quant import QuantizedWeight
 
 
 class ColwiseLinear(nn.Linear):
@@ -27,6 +29,9 @@ class ColwiseLinear(nn.Linear):
         return self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.weight, QuantizedWeight):
+            y = self.weight.linear(x)
+            return y if self.bias is None else y + self.bias
         return F.linear(x, self.linear_weight(), self.bias)
 
     def extra_repr(self) -> str:
@@ -49,9 +54,12 @@ class RowwiseLinear(nn.Linear):
         return self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.group is None:  # one rank: nothing to reduce, so keep the fused matmul + bias
+        if isinstance(self.weight, QuantizedWeight):
+            y = all_reduce_sum(self.weight.linear(x), self.group)
+        elif self.group is None:  # one rank: nothing to reduce, so keep the fused matmul + bias
             return F.linear(x, self.linear_weight(), self.bias)
-        y = all_reduce_sum(F.linear(x, self.linear_weight()), self.group)
+        else:
+            y = all_reduce_sum(F.linear(x, self.linear_weight()), self.group)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

@@ -7,9 +7,10 @@ Plan, then apply (torchtitan's order), with the per-tensor step in the middle ma
 
 A `Layout` holds each rank's heads, the module swaps (path -> style, the same paths on every rank) and,
 for every parameter, its names (tied weights have several), the checkpoint key that holds it, its global
-shape and dtype and the `TensorShard` each rank holds. Everything that can be wrong is found here, before
-a weight is read: heads vs tp, plan patterns that match no module, empty slices, tied weights split two
-ways, and with a checkpoint its missing, unused, mis-shaped and mis-typed tensors. The loader, the
+shape and dtype, the `TensorShard` each rank holds and, for a quantized linear weight, how it is
+quantized. Everything that can be wrong is found here, before a weight is read: heads vs tp, plan
+patterns that match no module, empty slices, tied weights split two ways, int4 groups a rank would
+split, and with a checkpoint its missing, unused, mis-shaped and mis-typed tensors. The loader, the
 in-place path of `init_inference` and `autotp plan` all read the same object. Nothing here reads a
 weight or talks to another rank; the model may be a meta skeleton.
 """
@@ -27,7 +28,9 @@ from autotp.errors import AutotpError
 from autotp.loader import Checkpoint
 from autotp.partition import HeadShard
 from autotp.plans import Plan
-from autotp.styles import REPLICATED, RankContext, Style, TensorShard
+from autotp.quant import Quant, kernel_fits
+from autotp.quant_load import QuantTarget
+from autotp.styles import REPLICATED, Colwise, FusedQKV, Geometry, RankContext, Rowwise, Style, TensorShard
 
 
 @dataclass(frozen=True)
@@ -40,12 +43,18 @@ class Param:
     shape: tuple[int, ...]  # global
     dtype: torch.dtype
     shards: tuple[TensorShard, ...]  # [rank] -> the part that rank holds
+    quant: QuantTarget | None = None  # a linear weight stored quantized
 
     def local_shape(self, rank: int) -> tuple[int, ...]:
         return self.shards[rank].local_shape(self.shape)
 
     def nbytes(self, rank: int) -> int:
-        return math.prod(self.local_shape(rank)) * self.dtype.itemsize
+        """Bytes on the rank: its slice in the model dtype, or quantized with its scales."""
+        local = self.local_shape(rank)
+        if self.quant is None:
+            return math.prod(local) * self.dtype.itemsize
+        out_features, in_features = (local[1], local[0]) if self.quant.conv1d else local
+        return self.quant.quant.nbytes(out_features, in_features, self.dtype)
 
 
 @dataclass(frozen=True)
@@ -76,19 +85,54 @@ def parameter_names(model: nn.Module) -> dict[str, list[str]]:
     return {names[0]: names for names in by_id.values()}
 
 
-def resolve(model: nn.Module, plan: Plan, tp: int, checkpoint: Checkpoint | None = None) -> Layout:
-    """The layout of `model` under `plan` at `tp` ranks; raises AutotpError on anything that cannot load."""
+def resolve(model: nn.Module, plan: Plan, tp: int, checkpoint: Checkpoint | None = None,
+            quant: Quant | None = None, dtype: torch.dtype | None = None) -> Layout:
+    """The layout of `model` under `plan` at `tp` ranks, its linear weights quantized as `quant` says and
+    its floating parameters held in `dtype` (None: as the model has them); raises AutotpError on anything
+    that cannot load."""
     heads = tuple(plan.heads(tp))
     swaps = _swaps(model, plan)
     names = parameter_names(model)
     per_rank = [_rank_shards(model, plan, swaps, names, RankContext(rank, tp, heads[rank])) for rank in range(tp)]
     keys = _checkpoint_keys(checkpoint, model, plan, names) if checkpoint is not None else {}
+    targets = _quant_targets(model, swaps, quant) if quant is not None else {}
     params = {}
     for first, all_names in names.items():
         meta = model.get_parameter(first)
-        params[first] = Param(first, tuple(all_names[1:]), keys.get(first), tuple(meta.shape), meta.dtype,
-                              tuple(shards[first] for shards in per_rank))
+        held = dtype if dtype is not None and meta.is_floating_point() else meta.dtype
+        params[first] = Param(first, tuple(all_names[1:]), keys.get(first), tuple(meta.shape), held,
+                              tuple(shards[first] for shards in per_rank), targets.get(first))
+        if params[first].quant is not None:
+            _check_quantizable(params[first], tp)
     return Layout(plan, tp, heads, swaps, params)
+
+
+def _quant_targets(model: nn.Module, swaps, quant: Quant) -> dict[str, QuantTarget]:
+    """The weights of the column- and row-parallel linear layers; embeddings, the output head (tied to the
+    embedding in the families that matter most, so a quantized copy would add memory, not save it), norms
+    and biases stay in the model dtype."""
+    return {f"{path}.weight": QuantTarget(quant, Geometry.of(model.get_submodule(path)).conv1d,
+                                          isinstance(style, Rowwise))
+            for path, style in swaps if isinstance(style, (Colwise, FusedQKV, Rowwise))}
+
+
+def _check_quantizable(param: Param, tp: int) -> None:
+    """int4 groups whole on every rank, and every rank's slice a shape the kernel takes."""
+    target = param.quant
+    kind, group = target.quant.kind, target.quant.group_size
+    in_dim = 0 if target.conv1d else 1
+    for rank, shard in enumerate(param.shards):
+        local = param.local_shape(rank)
+        if kind == "int4":
+            cols = shard.ranges if shard.dim == in_dim else [(0, param.shape[in_dim])]
+            if any(a % group or b % group for a, b in cols):
+                a, b = cols[0]
+                raise AutotpError(f"int4 quantizes {param.name} in groups of {group} input features, but at tp {tp} "
+                                  f"rank {rank} holds inputs {a}:{b} of {param.shape[in_dim]}, which splits a group: "
+                                  f"choose a tp whose split keeps whole groups, or --quantize int8")
+        why = kernel_fits(kind, local[1 - in_dim], local[in_dim], group, param.dtype)
+        if why:
+            raise AutotpError(f"cannot quantize {param.name} to {kind} at tp {tp} (rank {rank}): {why}")
 
 
 def _swaps(model: nn.Module, plan: Plan) -> tuple[tuple[str, Style], ...]:

@@ -19,11 +19,12 @@ from torch import nn
 from autotp.errors import AutotpError
 from autotp.head_inputs import NarrowHeads
 from autotp.layout import Layout, Param
+from autotp.quant import QuantizedWeight
 from autotp.styles import RankContext, Style, TensorShard
 
 # produce(param, the rank's shard of it, the model's current parameter: meta, or the full loaded weight)
-# -> the rank's tensor, on its device
-Produce = Callable[[Param, TensorShard, nn.Parameter], torch.Tensor]
+# -> the rank's tensor on its device, or its QuantizedWeight when the layout quantizes it
+Produce = Callable[[Param, TensorShard, nn.Parameter], torch.Tensor | QuantizedWeight]
 
 
 def parallelize(model: nn.Module, layout: Layout, rank: int, group, produce: Produce) -> None:
@@ -39,18 +40,21 @@ def parallelize(model: nn.Module, layout: Layout, rank: int, group, produce: Pro
         path, _, buffer = name.rpartition(".")
         setattr(model.get_submodule(path), buffer, None)
 
-    def per_rank(name: str, current: nn.Parameter) -> nn.Parameter:
+    def per_rank(name: str, current: nn.Parameter) -> nn.Parameter | QuantizedWeight:
         param = layout.param(name)
         if param.name not in done:
-            tensor = produce(param, param.shards[rank], current)
-            done[param.name] = nn.Parameter(tensor, requires_grad=False)
+            value = produce(param, param.shards[rank], current)
+            done[param.name] = value if isinstance(value, QuantizedWeight) else nn.Parameter(value, requires_grad=False)
         return done[param.name]
 
     def swap(path: str, style: Style) -> None:  # a function, so the old module is released when it returns
         module = model.get_submodule(path)
         new = style.build(module, ctx, group)
         for pname, param in module.named_parameters(recurse=False):
-            setattr(new, pname, per_rank(f"{path}.{pname}", param))
+            value = per_rank(f"{path}.{pname}", param)
+            if isinstance(value, QuantizedWeight):  # a module where the layer had a Parameter
+                delattr(new, pname)
+            setattr(new, pname, value)
         model.set_submodule(path, new)
 
     for path, style in layout.swaps:

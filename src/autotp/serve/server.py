@@ -55,7 +55,8 @@ def public_name(model: str) -> str:
 
 def serve(model: str, model_id: str, host: str = "127.0.0.1", port: int = 8000, max_batch_size: int = 16,
           max_model_len: int | None = None, dtype: str | None = None, device: str | None = None,
-          max_body_bytes: int = 2**21, read_timeout: float = 30.0, allowed_hosts: list[str] | None = None,
+          quantize: str | None = None, group_size: int = 128, max_body_bytes: int = 2**21,
+          read_timeout: float = 30.0, allowed_hosts: list[str] | None = None,
           api_key: str | None = None) -> int:
     """Serve until signalled (returns 0) or until a rank fails (returns 1). port 0 picks a free port.
     model_id: the name clients use (a directory's path is shown by its name only)."""
@@ -79,7 +80,7 @@ def serve(model: str, model_id: str, host: str = "127.0.0.1", port: int = 8000, 
         raise AutotpError(f"--max-model-len {max_model_len} exceeds the model's context of {limit} positions")
     tokenizer = load_tokenizer(model_dir, missing="autotp serve needs a tokenizer, and none loads from {source} "
                                                   "({cause})")
-    net = autotp.from_pretrained(model_dir, dtype=dtype, device=device)
+    net = autotp.from_pretrained(model_dir, dtype=dtype, device=device, quantize=quantize, group_size=group_size)
     if env.group is not None:
         # ranks finish loading at different times: wait here under the process group's long timeout
         # (AUTOTP_TIMEOUT), not in the control group's first broadcast, whose timeout is short

@@ -1,0 +1,160 @@
+"""Weight-only int8 and int4 quantization of linear layers: the arithmetic and the module that runs it.
+
+int8: symmetric, one scale per output channel: s = max|w[o, :]| / 127, q = round(w / s) in [-127, 127].
+int4: asymmetric groups of `group_size` input features per output channel (the format of torch's int4
+      kernels, as gpt-fast uses them): s = (max - min) / 15, q = round((w - min) / s) in [0, 15], so
+      w ~= q * s + min; the kernel takes (s, zero) with zero = min + 8 s.
+Scales and zeros are kept in the model dtype; activations stay in it too (weight-only).
+
+Tensor parallelism stays exact: a rank's quantized slice is the same slice of the unsharded quantized
+weight, bit for bit. Output rows (column-parallel) carry their own scales; for input columns
+(row-parallel), int4 groups never straddle two ranks (`layout` refuses a tp that would split one) and
+int8's per-row maximum is all-reduced (MAX) over the ranks while loading (`quant_load`).
+
+Kernels (`QuantizedWeight.linear`): on CPU `torch._weight_int8pack_mm` and
+`torch._weight_int4pack_mm_for_cpu`; on CUDA int8 as gpt-fast does it (the int8 weight cast in the matmul,
+the scale after) and `torch._weight_int4pack_mm` (bfloat16). int8 inputs of many rows (prefill, big
+batches) dequantize instead, where the CPU kernel is slower than the model dtype's matmul.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from autotp.errors import AutotpError
+
+KINDS = ("int8", "int4")
+INT4_GROUP = 128  # input features per int4 group: StarCoder's dims and every even split of them at tp <= 4
+# int8 on CPU: from this many input rows on, dequantizing and calling F.linear beats torch._weight_int8pack_mm
+# (benchmarks/quant_kernels.py measures the crossover on StarCoder's layer shapes)
+INT8_DEQUANT_ROWS = 8
+
+
+@dataclass(frozen=True)
+class Quant:
+    kind: str  # "int8" or "int4"
+    group_size: int = INT4_GROUP  # int4 only
+
+    @staticmethod
+    def parse(kind: str | None, group_size: int = INT4_GROUP) -> Quant | None:
+        if kind is None:
+            return None
+        if kind not in KINDS:
+            raise AutotpError(f"unknown quantization {kind!r}: choose one of {', '.join(KINDS)}")
+        if kind == "int4" and (group_size < 32 or group_size % 32):
+            raise AutotpError(f"int4 group size {group_size} must be a multiple of 32 (the kernel's)")
+        return Quant(kind, group_size)
+
+    def nbytes(self, out_features: int, in_features: int, dtype: torch.dtype) -> int:
+        """Bytes of a quantized (out, in) weight with its scales (and zeros) in `dtype`."""
+        if self.kind == "int8":
+            return out_features * in_features + out_features * dtype.itemsize
+        return out_features * in_features // 2 + 2 * (in_features // self.group_size) * out_features * dtype.itemsize
+
+
+def int8_scales(row_max: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(out,) max |w| of each output channel -> its scale, in `dtype` (an all-zero row gets scale 1)."""
+    scales = (row_max.float() / 127).to(dtype)
+    return torch.where(scales == 0, torch.ones_like(scales), scales)
+
+
+def quantize_int8(w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """w (rows, in) of the output channels whose `scales` (rows,) are given -> int8 (rows, in)."""
+    return torch.round(w.float() / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+
+
+def quantize_int4(w: torch.Tensor, group_size: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """w (rows, in) -> (q int32 (rows, in) in [0, 15], scales_and_zeros (in / group, rows, 2) in `dtype`)."""
+    rows, inp = w.shape
+    groups = w.float().reshape(rows, inp // group_size, group_size)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scales = ((high - low) / 15).to(dtype).float()
+    scales = torch.where(scales == 0, torch.ones_like(scales), scales)
+    low = low.to(dtype).float()
+    q = torch.round((groups - low[..., None]) / scales[..., None]).clamp(0, 15).to(torch.int32)
+    zeros = low + 8 * scales
+    return q.reshape(rows, inp), torch.stack([scales, zeros], -1).transpose(0, 1).to(dtype).contiguous()
+
+
+def dequantize_int4(q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The inverse map, in float32: (rows, in) ~= w (used by tests and references, not by the forward)."""
+    rows, inp = q.shape
+    sz = scales_and_zeros.float().transpose(0, 1)  # (rows, groups, 2)
+    groups = q.float().reshape(rows, inp // group_size, group_size)
+    return ((groups - 8) * sz[..., :1] + sz[..., 1:]).reshape(rows, inp)
+
+
+def kernel_fits(kind: str, out_features: int, in_features: int, group_size: int, dtype: torch.dtype) -> str | None:
+    """Why torch's CPU kernel cannot take this weight shape (None when it can). Found by probing torch 2.13:
+    int4 packing wants out % 16 and in % 32 (and 16 x 32 itself fails); int8 with bfloat16 inputs crashes
+    the process for in % 8 != 0, so that is refused before any call."""
+    if kind == "int8":
+        if dtype == torch.bfloat16 and in_features % 8:
+            return f"{in_features} input features are not a multiple of 8 (the bfloat16 int8 kernel's)"
+        return None
+    if out_features % 16 or in_features % 32 or in_features % group_size or out_features * in_features <= 512:
+        return (f"({out_features}, {in_features}) is not a weight torch's int4 kernel packs "
+                f"(out % 16, in % 32 and in % {group_size} must be 0)")
+    return None
+
+
+def check_kernel(kind: str, device: torch.device, dtype: torch.dtype) -> None:
+    """A clear error, before loading, for a device and dtype with no kernel: a silent dequantized model
+    would be slower than the unquantized one and hold both."""
+    if device.type == "cpu":
+        return
+    if device.type != "cuda":
+        raise AutotpError(f"--quantize {kind} has kernels for cpu and cuda, not {device.type}")
+    if kind == "int4" and dtype != torch.bfloat16:
+        raise AutotpError(f"--quantize int4 on CUDA needs --dtype bfloat16 (torch's int4 kernel), got "
+                          f"{str(dtype).removeprefix('torch.')}")
+
+
+class QuantizedWeight(nn.Module):
+    """A linear layer's quantized weight, (out, in) whatever the checkpoint stored; `linear(x)` = x @ W.T.
+
+    int8: qweight int8 (out, in), scales (out,). int4: qweight as the kernel packs it, scales_and_zeros
+    (in / group, out, 2). Buffers, not parameters: nothing here is trained, and `named_parameters` of a
+    sharded model keeps listing only what the layout knows.
+    """
+
+    def __init__(self, quant: Quant, out_features: int, in_features: int, qweight: torch.Tensor,
+                 scales: torch.Tensor):
+        super().__init__()
+        self.quant, self.out_features, self.in_features = quant, out_features, in_features
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales", scales)
+
+    @staticmethod
+    def int4(quant: Quant, q: torch.Tensor, scales_and_zeros: torch.Tensor, device: torch.device) -> QuantizedWeight:
+        """From q int32 (out, in) in [0, 15]: packed for the device's kernel."""
+        out_features, in_features = q.shape
+        q = q.to(device)
+        packed = (torch._convert_weight_to_int4pack_for_cpu(q, 1) if device.type == "cpu"
+                  else torch._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8), 8))
+        return QuantizedWeight(quant, out_features, in_features, packed, scales_and_zeros.to(device))
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., in) in the model dtype -> (..., out)."""
+        lead, x2 = x.shape[:-1], x.reshape(-1, x.shape[-1])
+        if self.quant.kind == "int8":
+            if x.device.type != "cpu" or x2.shape[0] >= INT8_DEQUANT_ROWS:
+                y = F.linear(x2, self.qweight.to(x.dtype)) * self.scales
+            else:
+                y = torch._weight_int8pack_mm(x2.contiguous(), self.qweight, self.scales)
+        elif x.device.type == "cpu":
+            y = torch._weight_int4pack_mm_for_cpu(x2.contiguous(), self.qweight, self.quant.group_size, self.scales)
+        else:
+            y = torch._weight_int4pack_mm(x2.contiguous(), self.qweight, self.quant.group_size, self.scales)
+        return y.reshape(*lead, self.out_features)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales))
+
+    def extra_repr(self) -> str:
+        group = f", group_size={self.quant.group_size}" if self.quant.kind == "int4" else ""
+        return f"{self.quant.kind}, out={self.out_features}, in={self.in_features}{group}"

@@ -1,0 +1,158 @@
+"""Weight-only int8 / int4 with tensor parallelism: every rank's quantized slice is the same slice of the
+unsharded quantized weight, bit for bit, and greedy tokens at tp 2, 3, 4 equal the unsharded quantized
+model's (the same code at tp 1, in this process).
+
+The models have dims that every tp in 2..4 splits into whole int4 groups of 32 and shapes torch's CPU
+kernels take: gpt_bigcode multi-query and multi-head, llama (grouped-query, KV heads replicated at tp > 2)
+and gpt2 (Conv1D, weights stored (in, out)).
+"""
+
+import pytest
+import torch
+from checkpoints import widen
+from tasks import quant_rank_outputs
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import autotp
+from autotp.errors import AutotpError
+from autotp.layout import resolve
+from autotp.plans import plan_for
+from autotp.quant import Quant, check_kernel, int8_scales, quantize_int4, quantize_int8
+from autotp.skeleton import skeleton
+
+GROUP = 32
+COMMON = dict(vocab_size=101, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+MODELS = {
+    "bigcode_mqa": ("gpt_bigcode", dict(n_embd=128, n_head=4, n_inner=384, multi_query=True, n_layer=2,
+                                        n_positions=64)),
+    "bigcode_mha": ("gpt_bigcode", dict(n_embd=128, n_head=4, n_inner=384, multi_query=False, n_layer=2,
+                                        n_positions=64)),
+    "llama": ("llama", dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=384,
+                            num_hidden_layers=2, max_position_embeddings=64, tie_word_embeddings=False)),
+    "gpt2": ("gpt2", dict(n_embd=128, n_head=4, n_inner=384, n_layer=2, n_positions=64)),
+}
+
+
+def config(name: str):
+    model_type, overrides = MODELS[name]
+    return AutoConfig.for_model(model_type, **(COMMON | overrides))
+
+
+@pytest.fixture(scope="module")
+def quant_checkpoint(tmp_path_factory):
+    """quant_checkpoint(name) -> (directory, the unsharded model's full weights), saved once."""
+    made = {}
+
+    def get(name):
+        if name not in made:
+            torch.manual_seed(0)
+            model = widen(AutoModelForCausalLM.from_config(config(name), dtype=torch.float32).eval())
+            directory = tmp_path_factory.mktemp(name)
+            model.save_pretrained(directory)
+            made[name] = (str(directory), {k: v.clone() for k, v in model.state_dict().items()})
+        return made[name]
+
+    return get
+
+
+def unsharded_quantized(weight: torch.Tensor, kind: str, conv1d: bool):
+    """The unsharded weight quantized: (values (out, in), scales) by the same functions the loader uses."""
+    w = weight.t() if conv1d else weight
+    if kind == "int8":
+        scales = int8_scales(w.abs().amax(1), w.dtype)
+        return quantize_int8(w, scales), scales
+    return quantize_int4(w, GROUP, w.dtype)
+
+
+def expected_slice(layout, name: str, rank: int, full: torch.Tensor, kind: str):
+    """(qweight, scales) rank `rank` must hold: the unsharded quantized weight, sliced as the layout slices it."""
+    param = layout.param(name)
+    target, shard = param.quant, param.shards[rank]
+    values, scales = unsharded_quantized(full, kind, target.conv1d)
+    out_dim = 1 if target.conv1d else 0
+    # the shard indexes the stored weight; the quantized weight is (out, in)
+    q = shard.take(values.t() if target.conv1d else values)
+    q = q.t() if target.conv1d else q
+    if shard.dim == out_dim:  # column-parallel: the rank's output channels carry their scales
+        rows = torch.cat([torch.arange(a, b) for a, b in shard.reads()])
+        scales = scales[rows] if kind == "int8" else scales[:, rows]
+    elif kind == "int4":  # row-parallel: the groups of the rank's input features
+        (a, b), = shard.ranges
+        scales = scales[a // GROUP:b // GROUP]
+    if kind == "int4":
+        q = torch.cat([torch._convert_weight_to_int4pack_for_cpu(q[r:r + 64].to(torch.int32), 1)
+                       for r in range(0, q.shape[0], 64)])
+    return q, scales
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_quantized_tp_is_exact(pools, quant_checkpoint, name, kind):
+    model_dir, full = quant_checkpoint(name)
+    reference = autotp.from_pretrained(model_dir, quantize=kind, group_size=GROUP)  # tp 1, this process
+    ids = torch.tensor([[3, 17, 42, 8, 99, 51, 23]])
+    with torch.no_grad():
+        ref_logits = reference(ids).logits
+    from autotp.generate import generate
+
+    ref_greedy = generate(reference, ids, max_new_tokens=16).tolist()
+    assert len(set(ref_greedy[0][7:])) > 3, "degenerate reference output proves nothing"
+    for tp in (2, 3, 4):
+        layout = resolve(skeleton(config(name), torch.float32, buffers=False), plan_for(config(name)), tp,
+                         quant=Quant.parse(kind, GROUP))
+        ranks = pools(tp).run(quant_rank_outputs, model_dir, kind, GROUP)
+        quantized = [p.name for p in layout.params.values() if p.quant is not None]
+        assert quantized, "nothing was quantized"
+        for r, out in enumerate(ranks):
+            for name_ in quantized:
+                q, scales = expected_slice(layout, name_, r, full[name_], kind)
+                assert torch.equal(out["state"][f"{name_}.qweight"], q), f"tp {tp} rank {r}: {name_}"
+                assert torch.equal(out["state"][f"{name_}.scales"], scales), f"tp {tp} rank {r}: {name_} scales"
+            assert out["greedy"] == ref_greedy, f"tp {tp} rank {r}"
+            diff = (out["logits"] - ref_logits).abs().max().item()
+            assert diff < 5e-4 * max(1.0, ref_logits.abs().max().item()), f"tp {tp} rank {r}: {diff}"
+
+
+def test_init_inference_quantizes_like_from_pretrained(quant_checkpoint):
+    model_dir, _ = quant_checkpoint("gpt2")
+    for kind in ("int8", "int4"):
+        loaded = autotp.from_pretrained(model_dir, quantize=kind, group_size=GROUP)
+        engine = autotp.init_inference(AutoModelForCausalLM.from_pretrained(model_dir), quantize=kind,
+                                       group_size=GROUP)
+        a = {k: v for k, v in loaded.state_dict().items() if k.endswith((".qweight", ".scales"))}
+        b = {k: v for k, v in engine.module.state_dict().items() if k.endswith((".qweight", ".scales"))}
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), kind
+
+
+def test_quantized_bytes_and_many_rows(quant_checkpoint):
+    """int8 weights take about a quarter of fp32's bytes, int4 an eighth; a many-row input (the dequantizing
+    path) gives what the kernel gives row by row."""
+    model_dir, _ = quant_checkpoint("bigcode_mqa")
+    fp32 = autotp.from_pretrained(model_dir).autotp.param_bytes
+    for kind, most in (("int8", 0.45), ("int4", 0.40)):
+        model = autotp.from_pretrained(model_dir, quantize=kind, group_size=GROUP)
+        assert model.autotp.param_bytes < most * fp32, (kind, model.autotp.param_bytes, fp32)
+        layer = model.transformer.h[0].mlp.c_fc
+        x = torch.randn(16, 128)
+        with torch.no_grad():
+            together, alone = layer(x), torch.cat([layer(x[i:i + 1]) for i in range(16)])
+        assert torch.allclose(together, alone, atol=1e-4, rtol=1e-4), kind
+
+
+def test_int4_refuses_a_tp_that_splits_a_group():
+    cfg = config("bigcode_mqa")
+    with pytest.raises(AutotpError, match=r"int4 quantizes transformer\.h\.0\.attn\.c_proj\.weight in groups of 128 "
+                                          r"input features, but at tp 2 rank 0 holds inputs 0:64 of 128, which splits"):
+        resolve(skeleton(cfg, torch.float32, buffers=False), plan_for(cfg), 2, quant=Quant.parse("int4", 128))
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: Quant.parse("int3"), "unknown quantization 'int3': choose one of int8, int4"),
+    (lambda: Quant.parse("int4", 48), "int4 group size 48 must be a multiple of 32"),
+    (lambda: check_kernel("int4", torch.device("cuda", 0), torch.float16),
+     "--quantize int4 on CUDA needs --dtype bfloat16"),
+    (lambda: check_kernel("int8", torch.device("mps"), torch.float16), "kernels for cpu and cuda, not mps"),
+])
+def test_quantization_errors_name_the_choice(call, message):
+    with pytest.raises(AutotpError, match=message):
+        call()
