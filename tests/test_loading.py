@@ -119,7 +119,7 @@ def test_unsupported_architecture_names_the_supported(tmp_path):
                                       vocab_size=50, pad_token_id=None, bos_token_id=None, eos_token_id=None)),
          tmp_path)
     expect_error(tmp_path, "no built-in plan for 'olmo2' and the inferred one is ambiguous: .*across heads"
-                           "(.|\n)*Built-in plans: falcon, gemma, gemma2, gpt2, gpt_bigcode")
+                           "(.|\n)*Built-in plans: bloom, codegen, falcon, gemma, gemma2, gpt2, gpt_bigcode")
 
 
 def test_unknown_dtype(checkpoint):
