@@ -1,6 +1,7 @@
 """The sliced loader: what each rank reads, and every way a checkpoint or config can be wrong."""
 
 import json
+import math
 import re
 import shutil
 import struct
@@ -298,3 +299,67 @@ def test_shards_read_in_many_blocks_equal_slices_of_the_full_tensor(tensors, mon
     assert ckpt.bytes_read > 0
     converted = ckpt.read("w", TensorShard.along(1, [(3, 17)]), torch.bfloat16)
     assert torch.equal(converted, full["w"][:, 3:17].to(torch.bfloat16))
+
+
+class _SpanSpy:
+    """safe_open that records, for every slice read, how many bytes of the file it spans (first to last
+    element), and how many times the file was opened."""
+
+    def __init__(self):
+        self.spans, self.openings = [], 0
+
+    def __call__(self, *args, **kwargs):
+        self.openings += 1
+        spy = self
+
+        class Handle:
+            def __enter__(self):
+                self.f = safe_open(*args, **kwargs).__enter__()
+                return self
+
+            def __exit__(self, *exc):
+                return self.f.__exit__(*exc)
+
+            def get_slice(self, key):
+                source = self.f.get_slice(key)
+                shape, itemsize = source.get_shape(), 4  # float32
+                strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+
+                class Sliced:
+                    def __getitem__(self, index):
+                        full = list(index) + [slice(None)] * (len(shape) - len(index))
+                        bounds = [s.indices(n)[:2] for s, n in zip(full, shape, strict=True)]
+                        first = sum(a * st for (a, _), st in zip(bounds, strides, strict=True))
+                        last = sum((b - 1) * st for (_, b), st in zip(bounds, strides, strict=True))
+                        spy.spans.append((last - first + 1) * itemsize)
+                        return source[index]
+
+                return Sliced()
+
+        return Handle()
+
+
+@pytest.mark.parametrize("block_bytes", [1, 300, 5000, None])
+def test_3d_shards_along_any_dim_read_in_bounded_blocks(tmp_path, monkeypatch, block_bytes):
+    """A fused expert tensor (experts, rows, cols) sliced along dim 0, 1 or 2: bit-exact, and no read spans
+    more of the file than the block size or, when one innermost row is larger, one innermost row."""
+    torch.manual_seed(0)
+    tensor = torch.randn(7, 13, 29)
+    save_file({"experts": tensor}, tmp_path / "model.safetensors")
+    spy = _SpanSpy()
+    monkeypatch.setattr(loader, "safe_open", spy)
+    ckpt = Checkpoint(tmp_path) if block_bytes is None else Checkpoint(tmp_path, block_bytes=block_bytes)
+    fused = [TensorShard.along(1, [(0, 2), (5, 9)]), TensorShard.along(2, [(0, 3), (9, 12), (20, 29)])]
+    for shard in [s for s in shards(tuple(tensor.shape)) if s.dim != 0 or len(s.ranges) == 1] + fused:
+        spy.spans.clear()
+        spy.openings = 0
+        assert torch.equal(ckpt.read("experts", shard, None), shard.take(tensor)), (shard, block_bytes)
+        limit = max(block_bytes or loader.BLOCK_BYTES, 29 * 4)
+        assert max(spy.spans) <= limit, (shard, block_bytes, max(spy.spans))
+        if block_bytes is None:  # the whole tensor fits one block: one opening per contiguous range of dim 0
+            assert spy.openings == (len(shard.reads()) if shard.dim == 0 else 1), shard
+        if block_bytes == 1:  # one innermost row per opening
+            experts, rows = shard.local_shape(tuple(tensor.shape))[:2]
+            assert spy.openings == experts * rows, shard
+    assert torch.equal(ckpt.read("experts", TensorShard.along(2, [(3, 17)]), torch.bfloat16),
+                       tensor[:, :, 3:17].to(torch.bfloat16))

@@ -1,4 +1,4 @@
-"""Sliced safetensors reading: each rank reads only the rows or columns its plan gives it.
+"""Sliced safetensors reading: each rank reads only its slice of each tensor (ranges along any one dim).
 
 `Checkpoint` knows a model directory's safetensors file(s) by their headers alone (names, dtypes,
 shapes), which is enough to validate a checkpoint against a model before a byte of weight is read.
@@ -9,6 +9,7 @@ load keeps every touched page of the memory map resident, opening per tensor let
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -189,43 +190,72 @@ class Checkpoint:
         entry = self.entries[key]
         target = dtype if dtype is not None and entry.dtype.is_floating_point else entry.dtype
         out = torch.empty(shard.local_shape(entry.shape), dtype=target)
-        for start, block in self.row_blocks(key, shard, dtype):
-            if entry.shape:
-                out[start:start + block.shape[0]] = block
-            else:
-                out.copy_(block)
+        for where, block in self.blocks(key, shard, dtype):
+            out[where] = block
         return out
 
     def row_blocks(self, key: str, shard: TensorShard, dtype: torch.dtype | None, rows: int | None = None):
-        """`shard` of tensor `key` as consecutive blocks of the rank's rows: (first local row, block).
+        """`shard` of a tensor of at most 2 dims (a linear weight) as consecutive blocks of the rank's whole
+        rows: (first local row, block); `rows` rows per block, for readers that need blocks aligned to
+        groups (see `blocks`)."""
+        if len(self.entries[key].shape) > 2:
+            raise AutotpError(f"row_blocks reads tensors of at most 2 dims, not {key} {self.entries[key].shape}")
+        for where, block in self.blocks(key, shard, dtype, rows):
+            yield (where[0].start if where else 0), block
+
+    def blocks(self, key: str, shard: TensorShard, dtype: torch.dtype | None, rows: int | None = None):
+        """`shard` of tensor `key` (sliced along any dim) as blocks: (where in the rank's tensor, block).
 
         safetensors' slices view its memory map, and every page they touch stays resident until the file
-        is closed. So the shard is read in blocks of at most `block_bytes` (or `rows` rows, for readers that
-        need blocks aligned to groups), the file opened and closed per block, and each block copied (and
-        converted to `dtype` if floating) into a tensor of our own: the transient is one block, not one
-        whole tensor (a replicated 8192 x 6144 bf16 wpe is 96 MiB). A 0-d tensor is one block.
+        is closed. So the shard is read in blocks of at most `block_bytes` of the file (or `rows` rows), the
+        file opened and closed per block, and each block copied (and converted to `dtype` if floating) into
+        a tensor of our own: the transient is one block, not one whole tensor (a replicated 8192 x 6144 bf16
+        wpe is 96 MiB; one Mixtral-8x7B expert's w1 is 224 MiB). A block is consecutive indices of one
+        "block dim" k with every later dim whole (within the shard); dims before k are taken one index at a
+        time. k is the outermost dim whose rows fit `block_bytes`, but never the last one (a 2-D tensor is
+        read in whole rows, a 3-D expert tensor whole when it fits, else expert by expert in row blocks).
+        A 0-d tensor is one block.
         """
         entry = self.entries[key]
         target = dtype if dtype is not None and entry.dtype.is_floating_point else entry.dtype
-        if shard.dim not in (None, 0, 1):
-            raise AutotpError(f"autotp slices along dims 0 and 1, not {shard.dim}")
-        if not entry.shape:
+        shape = entry.shape
+        if shard.dim is not None and not 0 <= shard.dim < len(shape):
+            raise AutotpError(f"cannot slice {key} {shape} along dim {shard.dim}")
+        if not shape:
             with safe_open(entry.file, framework="pt") as f:
-                yield 0, self._own(f.get_tensor(key), target)
+                yield (), self._own(f.get_tensor(key), target)
             return
-        rows = rows or max(1, self.block_bytes // max(1, math.prod(entry.shape[1:]) * entry.dtype.itemsize))
-        row_ranges = shard.reads() if shard.dim == 0 else [(0, entry.shape[0])]
-        columns = [slice(a, b) for a, b in shard.reads()] if shard.dim == 1 else [slice(None)]
-        local = 0
-        for a, b in row_ranges:
-            for r0 in range(a, b, rows):
-                r1 = min(r0 + rows, b)
-                with safe_open(entry.file, framework="pt") as f:
-                    source = f.get_slice(key)
-                    parts = [self._own(source[r0:r1, c] if shard.dim == 1 else source[r0:r1], target)
-                             for c in columns]
-                yield local, parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-                local += r1 - r0
+        spans = [[(0, n)] for n in shape]  # per dim: the global ranges read, in order
+        if shard.dim is not None:
+            spans[shard.dim] = shard.reads()
+        row_bytes = [math.prod(shape[d + 1:]) * entry.dtype.itemsize for d in range(len(shape))]
+        k = 0
+        while k < len(shape) - 2 and row_bytes[k] > self.block_bytes:
+            k += 1
+        rows = rows or max(1, self.block_bytes // max(1, row_bytes[k]))
+        # (global index, local index) of every index of each dim before k
+        outer = [[(g, local) for local, g in enumerate(i for a, b in spans[d] for i in range(a, b))] for d in range(k)]
+        later = spans[shard.dim] if shard.dim is not None and shard.dim > k else [None]
+        for index in itertools.product(*outer):
+            fixed = tuple(slice(g, g + 1) for g, _ in index)
+            local = 0
+            for a, b in spans[k]:
+                for r0 in range(a, b, rows):
+                    r1 = min(r0 + rows, b)
+                    with safe_open(entry.file, framework="pt") as f:
+                        source = f.get_slice(key)
+                        parts = [self._own(source[self._index(fixed, r0, r1, shard.dim, c)], target) for c in later]
+                    where = tuple(slice(i, i + 1) for _, i in index) + (slice(local, local + r1 - r0),)
+                    yield where, parts[0] if len(parts) == 1 else torch.cat(parts, dim=shard.dim)
+                    local += r1 - r0
+
+    @staticmethod
+    def _index(fixed: tuple[slice, ...], r0: int, r1: int, dim: int | None, columns: tuple[int, int] | None):
+        """The safetensors index of one block: the fixed outer indices, rows r0:r1, `columns` along `dim`."""
+        index = [*fixed, slice(r0, r1)]
+        if columns is not None:
+            index += [slice(None)] * (dim - len(index)) + [slice(*columns)]
+        return tuple(index)
 
     def _own(self, part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A copy of a view into the file mapping, in `dtype`; counts the bytes read."""
