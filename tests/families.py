@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 from checkpoints import widen
+from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import autotp
@@ -50,6 +51,15 @@ FAMILIES = {
     "mpt": ("mpt", dict(d_model=42, n_heads=7, max_seq_len=64)),
     # 8 heads in mp_num 4 blocks of 2: at tp 3 (3, 3, 2 heads) rank 0's heads span two blocks
     "codegen": ("codegen", dict(n_embd=64, n_head=8, rotary_dim=4, n_inner=90, n_positions=64)),
+    # mixture of experts: 4 experts, top 2; each expert's 44 intermediate features are 11 granules of 4, split
+    # 6/5, 4/4/3, 3/3/3/2 granules
+    "mixtral": ("mixtral", dict(hidden_size=48, num_attention_heads=6, num_key_value_heads=2, intermediate_size=44,
+                                num_local_experts=4, num_experts_per_tok=2)),
+    # and a shared expert (38 features) with its sigmoid gate; layer 1 of 3 is a dense MLP (90 features)
+    "qwen2_moe": ("qwen2_moe", dict(hidden_size=48, num_attention_heads=6, num_key_value_heads=2, num_hidden_layers=3,
+                                    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=44,
+                                    shared_expert_intermediate_size=38, intermediate_size=90, mlp_only_layers=[1],
+                                    norm_topk_prob=True)),
     # no built-in plan: plan_for infers one from the module tree
     "granite": ("granite", LLAMA_LIKE | dict(num_key_value_heads=4)),
 }
@@ -67,6 +77,18 @@ def config(name: str):
 def build(name: str):
     torch.manual_seed(0)
     return widen(AutoModelForCausalLM.from_config(config(name), dtype=torch.float32).eval())
+
+
+# transformers 5 saves fused experts back in the hub's per-expert layout (experts.N.w1.weight, ...); these
+# families' checkpoints are written with the model's own fused 3-D tensors instead (see save).
+FUSED_EXPERTS = ("mixtral", "qwen2_moe")
+
+
+def save(name: str, model, directory) -> None:
+    model.save_pretrained(directory)
+    if name in FUSED_EXPERTS:
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, f"{directory}/model.safetensors",
+                  metadata={"format": "pt"})
 
 
 def reference(model) -> dict:

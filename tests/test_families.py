@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from families import FAMILIES, GLOBAL_SIZES, build, config, rank_outputs, reference
+from families import FAMILIES, GLOBAL_SIZES, build, config, rank_outputs, reference, save
 from safetensors.torch import load_file
 from test_parity import LOGIT_ATOL
 
@@ -23,7 +23,7 @@ def family_checkpoint(tmp_path_factory):
         if name not in made:
             model = build(name)
             directory = tmp_path_factory.mktemp(name)
-            model.save_pretrained(directory)
+            save(name, model, directory)
             made[name] = (str(directory), reference(model))
         return made[name]
 

@@ -142,3 +142,19 @@ class VocabParallelLMHead(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, out_features_global={self.out_features_global}"
+
+
+class SumOverRanks:
+    """Forward hook: the module's output, summed over the ranks of `group` (the module computed a partial sum).
+
+    For a module whose forward is the model's own and whose output is a sum over the features the rank
+    holds, e.g. fused experts with each expert's intermediate features split: one all-reduce of the
+    combined output, after the routing weights and the sum over experts. The module must add no bias
+    after that sum (the style that registers the hook checks).
+    """
+
+    def __init__(self, group):
+        self.group = group
+
+    def __call__(self, module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
+        return all_reduce_sum(output, self.group)

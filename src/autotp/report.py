@@ -33,8 +33,9 @@ def plan_report(model: str, tp: int, dtype: str | None = None, quantize: str | N
     layout = resolve(skeleton(config, torch_dtype, buffers=False), plan, tp, ckpt, quant)
     ranks = []
     for rank, h in enumerate(layout.heads):
-        tensors = [{"name": p.name, "tied": list(p.aliases), "shape": list(p.shape), "holds": p.shards[rank].describe(),
-                    "local_shape": list(p.local_shape(rank)), "bytes": p.nbytes(rank),
+        tensors = [{"name": p.name, "tied": list(p.aliases), "shape": list(p.shape),
+                    "holds": p.shards[rank].describe(len(p.shape)), "local_shape": list(p.local_shape(rank)),
+                    "bytes": p.nbytes(rank),
                     "stored": p.quant.quant.kind if p.quant else str(p.dtype).removeprefix("torch.")}
                    for p in layout.params.values()]
         ranks.append({"rank": rank, "q_heads": [h.q_start, h.q_stop], "kv_heads": [h.kv_start, h.kv_stop],

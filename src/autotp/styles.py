@@ -11,6 +11,7 @@ which module gets which style.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -70,10 +71,12 @@ class TensorShard:
         parts = [tensor.narrow(self.dim, a, b - a) for a, b in self.reads()]
         return torch.cat(parts, dim=self.dim) if len(parts) != 1 else parts[0].clone()
 
-    def describe(self) -> str:
+    def describe(self, ndim: int = 2) -> str:
+        """E.g. "rows 0:12 + 48:60"; rows and cols are the last two dims of an `ndim`-dim tensor (of each
+        expert's matrix in a 3-D experts tensor), rows the only dim of a 1-D one."""
         if self.dim is None:
             return "replicated"
-        what = {0: "rows", 1: "cols"}.get(self.dim, f"dim {self.dim}")
+        what = {max(0, ndim - 2): "rows", ndim - 1: "cols"}.get(self.dim, f"dim {self.dim}") if ndim > 1 else "rows"
         return f"{what} " + " + ".join(f"{a}:{b}" for a, b in self.ranges)
 
 
@@ -296,3 +299,68 @@ class BlockInterleavedQKV(_ColumnParallel):
                     ranges.append((start_row, start_row + stop - a))
                     a = stop
         return ranges
+
+
+@dataclass(frozen=True)
+class FusedExperts:
+    """transformers 5's fused experts module: every expert's weights in one 3-D tensor, each expert's
+    intermediate features split evenly across ranks, all experts on every rank.
+
+    gate_up_proj (experts, 2*I, hidden) = [gate (I) | up (I)] per expert (`is_concatenated`; interleaved
+    [g0, u0, g1, u1, ...] otherwise; `up_proj` (experts, I, hidden) when there is no gate), down_proj
+    (experts, hidden, I); `is_transposed` stores each expert's matrix the other way round, (hidden, 2*I)
+    and (I, hidden). A rank keeps rows a:b of gate and of up (column-parallel, in the order the forward's
+    `chunk(2)` splits them) and columns a:b of down (row-parallel), for every expert. The router is
+    replicated, so every rank routes each token to the same experts; each rank's experts output is then a
+    partial sum over its intermediate features, and one all-reduce of the combined output (after the
+    routing weights and the sum over experts: `layers.SumOverRanks`) completes it.
+
+    The module is the model's own, forward included (it dispatches to HF's eager, batched or grouped
+    experts kernels, none of which reads a size): only its tensors become the rank's slices. Its
+    `intermediate_dim` keeps the global size. Expert biases (a down bias would be added on every rank)
+    and post-expert norms (nonlinear in a partial sum) are refused.
+
+    Each rank's features are an even split in granules (`feature_range`).
+
+    Expert parallelism (whole experts per rank) is left out: it splits evenly only when experts divide by
+    tp, needs a token all-to-all (or a masked forward and an all-reduce over every expert) and balances
+    work by routing luck; splitting every expert gives every rank the same bytes and FLOPs for any tp up to
+    the intermediate size, with the same one all-reduce as a dense MLP.
+    """
+
+    def intermediate(self, module: nn.Module) -> int:
+        unknown = {n for n, _ in module.named_parameters(recurse=False)} - {"gate_up_proj", "up_proj", "down_proj"}
+        if unknown or getattr(module, "has_bias", False) or getattr(module, "has_post_expert_norm", False):
+            what = ", ".join(sorted(unknown)) or "expert biases or post-expert norms"
+            raise AutotpError(f"{type(module).__name__} has {what}: autotp splits experts with only gate_up_proj "
+                              "(or up_proj) and down_proj")
+        return module.down_proj.shape[1 if self._transposed(module) else 2]
+
+    @staticmethod
+    def _transposed(module: nn.Module) -> bool:
+        return bool(getattr(module, "is_transposed", False))
+
+    def shards(self, module: nn.Module, ctx: RankContext) -> dict[str, TensorShard]:
+        size = self.intermediate(module)
+        a, b = self.feature_range(size, ctx, type(module).__name__)
+        out_dim, in_dim = (2, 1) if self._transposed(module) else (1, 2)  # of each expert's (out, in) matrix
+        if not hasattr(module, "gate_up_proj"):
+            return {"up_proj": TensorShard.along(out_dim, [(a, b)]), "down_proj": TensorShard.along(in_dim, [(a, b)])}
+        fused = [(a, b), (size + a, size + b)] if getattr(module, "is_concatenated", True) else [(2 * a, 2 * b)]
+        return {"gate_up_proj": TensorShard.along(out_dim, fused), "down_proj": TensorShard.along(in_dim, [(a, b)])}
+
+    @staticmethod
+    def feature_range(size: int, ctx: RankContext, what: str) -> Range:
+        """The rank's intermediate features: an even split in granules of gcd(size, 8) features, so that a
+        slice keeps the 16-byte row alignment `grouped_mm` (HF's default experts kernel) requires at 2-byte
+        dtypes (8 features) whenever the full size has it; an odd slice (7 bf16 features) would fail there."""
+        granule = math.gcd(size, 8)
+        if size // granule < ctx.tp:
+            raise AutotpError(f"tp_size {ctx.tp} exceeds the {size // granule} granules of {granule} intermediate "
+                              f"features of each expert of {what}: at most {size // granule} ranks can share them")
+        a, b = even_split(size // granule, ctx.tp)[ctx.rank]
+        return a * granule, b * granule
+
+    def build(self, module: nn.Module, ctx: RankContext, group) -> nn.Module:
+        module.register_forward_hook(layers.SumOverRanks(group))
+        return module

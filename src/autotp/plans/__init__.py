@@ -14,11 +14,12 @@ from autotp.plans.plan import Plan
 
 def builtin_plans() -> dict:
     """model_type -> plan builder(config) for every family with a built-in plan."""
-    from autotp.plans import bloom, codegen, falcon, gpt2, gpt_bigcode, gpt_neox, gptj, llama, mpt, opt, phi3
+    from autotp.plans import bloom, codegen, falcon, gpt2, gpt_bigcode, gpt_neox, gptj, llama, mixtral, mpt, opt, phi3
 
     return {"gpt_bigcode": gpt_bigcode.plan, "gpt2": gpt2.plan, "gpt_neox": gpt_neox.plan, "gptj": gptj.plan,
             "falcon": falcon.plan, "opt": opt.plan, "phi3": phi3.plan, "bloom": bloom.plan, "mpt": mpt.plan,
-            "codegen": codegen.plan} | {f: llama.plan for f in llama.FAMILIES}
+            "codegen": codegen.plan} | {f: llama.plan for f in llama.FAMILIES} | {
+                f: mixtral.plan for f in mixtral.FAMILIES}
 
 
 def plan_for(config) -> Plan:

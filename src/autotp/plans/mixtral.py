@@ -1,0 +1,51 @@
+"""Mixture-of-experts decoders with Llama's attention: mixtral, and qwen2_moe with its shared expert.
+
+Attention is Llama's (separate q/k/v/o, grouped-query; see llama.py). The sparse MLP block is
+`mlp.gate` (the router, (experts, hidden): replicated, so every rank picks the same experts for every
+token) and `mlp.experts`, transformers 5's fused experts: gate_up_proj (experts, 2*I, hidden) =
+[gate | up] per expert and down_proj (experts, hidden, I). Each expert's I intermediate features are split
+evenly across ranks (styles.FusedExperts: every rank holds a slice of every expert) and the experts'
+combined output is all-reduced once per layer. Expert parallelism (whole experts per rank) is not done:
+see FusedExperts for why.
+
+Qwen2-MoE adds `mlp.shared_expert`, a dense gated MLP (column-, then row-parallel: its down_proj
+all-reduces), scaled by `sigmoid(mlp.shared_expert_gate(x))`, a replicated (1, hidden) linear on the full
+hidden state. The block returns experts + gate * shared: both terms are complete sums on every rank, so
+nothing is summed twice and there are no biases to add once. Layers listed in `mlp_only_layers`, or off
+the `decoder_sparse_step`, have a dense MLP at `mlp.{gate,up,down}_proj`.
+"""
+
+from autotp.plans.common import llama_heads, separate_qkvo
+from autotp.plans.llama import GATED
+from autotp.plans.plan import Plan
+from autotp.styles import Colwise, FusedExperts, Rowwise, Vocab, VocabHead
+
+FAMILIES = ("mixtral", "qwen2_moe")
+
+
+def _has_dense_layers(config) -> bool:
+    """Qwen2-MoE: whether any decoder layer has a dense MLP instead of experts (its own rule, restated)."""
+    if config.model_type != "qwen2_moe":
+        return False
+    step, only = config.decoder_sparse_step, set(config.mlp_only_layers or ())
+    return any(i in only or config.num_experts == 0 or (i + 1) % step for i in range(config.num_hidden_layers))
+
+
+def plan(config) -> Plan:
+    heads, kv_heads, head_dim = llama_heads(config)
+    layer = separate_qkvo("self_attn") | {"mlp.experts": FusedExperts()}
+    if config.model_type == "qwen2_moe":
+        layer |= {"mlp.shared_expert.gate_proj": Colwise(), "mlp.shared_expert.up_proj": Colwise(),
+                  "mlp.shared_expert.down_proj": Rowwise()}
+    if _has_dense_layers(config):
+        layer |= GATED
+    return Plan(
+        family=config.model_type,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        layers={"model.embed_tokens": Vocab()} | {f"model.layers.*.{k}": s for k, s in layer.items()}
+        | {"lm_head": VocabHead()},
+        attention="model.layers.*.self_attn",
+        attention_attrs={"num_key_value_groups": "q_per_kv"},
+    )
