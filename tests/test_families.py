@@ -183,3 +183,23 @@ def test_per_head_inputs_that_cannot_be_narrowed_are_errors():
         narrow_heads(torch.ones(9, 1, 5), heads)
     with pytest.raises(AutotpError, match="BloomAttention was called without alibi= as a keyword"):
         NarrowHeads(("alibi",), heads)(type("BloomAttention", (), {})(), (bias,), {})
+
+
+def test_fused_experts_stay_unquantized_and_refuse_what_they_cannot_split():
+    """Quantization covers the 2-D linear weights only: the 3-D experts stay in the model dtype. Too many
+    ranks for an expert's feature granules, and experts with biases, are errors before any weight is read."""
+    from autotp.quant import Quant
+
+    cfg = config("mixtral")
+    layout = resolve(skeleton(cfg, torch.float32, buffers=False), plan_for(cfg), 2, quant=Quant("int8"))
+    assert layout.param("model.layers.0.self_attn.q_proj.weight").quant is not None
+    assert layout.param("model.layers.0.mlp.experts.gate_up_proj").quant is None
+    assert layout.param("model.layers.0.mlp.experts.down_proj").quant is None
+    cfg.intermediate_size = 12  # 3 granules of 4 features
+    with pytest.raises(AutotpError, match="tp_size 4 exceeds the 3 granules of 4 intermediate features of each "
+                                          "expert of MixtralExperts: at most 3 ranks"):
+        resolve(skeleton(cfg, torch.float32, buffers=False), plan_for(cfg), 4)
+    net = skeleton(cfg, torch.float32, buffers=False)
+    net.model.layers[0].mlp.experts.has_bias = True
+    with pytest.raises(AutotpError, match="MixtralExperts has expert biases or post-expert norms"):
+        resolve(net, plan_for(cfg), 2)
