@@ -363,3 +363,21 @@ def test_3d_shards_along_any_dim_read_in_bounded_blocks(tmp_path, monkeypatch, b
             assert spy.openings == experts * rows, shard
     assert torch.equal(ckpt.read("experts", TensorShard.along(2, [(3, 17)]), torch.bfloat16),
                        tensor[:, :, 3:17].to(torch.bfloat16))
+
+
+def test_a_checkpoint_saved_from_the_base_model_loads(tmp_path):
+    """The hub's GPT-2 files say `h.0.attn.c_attn.weight`, not `transformer.h.0...`, and still carry the old
+    `attn.bias` mask buffers: they load, and give the model's own logits."""
+    from safetensors.torch import save_file
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_head=4, n_layer=2, n_positions=16, vocab_size=50)).eval()
+    model.config.save_pretrained(tmp_path)
+    tensors = {k: v.clone() for k, v in model.transformer.state_dict().items()}
+    tensors |= {f"h.{i}.attn.bias": torch.ones(1, 1, 16, 16) for i in range(2)}
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    loaded = autotp.from_pretrained(tmp_path)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)

@@ -174,8 +174,15 @@ def _rank_shards(model: nn.Module, plan: Plan, swaps, names: dict[str, list[str]
 
 def _checkpoint_keys(checkpoint: Checkpoint, model: nn.Module, plan: Plan,
                      names: dict[str, list[str]]) -> dict[str, str]:
-    """First name -> the checkpoint key holding it, any of its names or the older name the plan knows."""
-    expected = {first: all_names + [plan.checkpoint_names[n] for n in all_names if n in plan.checkpoint_names]
-                for first, all_names in names.items()}
+    """First name -> the checkpoint key holding it: any of its names, the older name the plan knows, or
+    either without the model's base prefix (checkpoints saved from the base model, as GPT-2's and
+    BLOOM's on the hub are, say `h.0.attn.c_attn.weight` for `transformer.h.0.attn.c_attn.weight`)."""
+    prefix = f"{model.base_model_prefix}." if getattr(model, "base_model_prefix", "") else None
+    expected = {}
+    for first, all_names in names.items():
+        candidates = all_names + [plan.checkpoint_names[n] for n in all_names if n in plan.checkpoint_names]
+        if prefix:
+            candidates += [n.removeprefix(prefix) for n in candidates if n.startswith(prefix)]
+        expected[first] = candidates
     metas = {first: model.get_parameter(first) for first in names}
     return checkpoint.validate(expected, metas, getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])
