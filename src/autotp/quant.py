@@ -29,9 +29,11 @@ from autotp.errors import AutotpError
 
 KINDS = ("int8", "int4")
 INT4_GROUP = 128  # input features per int4 group: StarCoder's dims and every even split of them at tp <= 4
-# int8 on CPU: from this many input rows on, dequantizing and calling F.linear beats torch._weight_int8pack_mm
-# (benchmarks/quant_kernels.py measures the crossover on StarCoder's layer shapes)
-INT8_DEQUANT_ROWS = 8
+# int8 on CPU: from this many input rows on, dequantizing and calling F.linear beats torch._weight_int8pack_mm.
+# benchmarks/quant_kernels.py, StarCoder-1b/15b layer shapes, 1 thread: the kernel wins at 8-48 rows on most
+# shapes (dequantizing takes 1.0-10x its time at 8 and 16 rows), dequantizing wins at 64 (0.48-0.94x) and 512
+# (0.33-0.46x). Either is slower than bf16 from 16 rows on.
+INT8_DEQUANT_ROWS = 64
 
 
 @dataclass(frozen=True)
