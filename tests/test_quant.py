@@ -17,7 +17,7 @@ import autotp
 from autotp.errors import AutotpError
 from autotp.layout import resolve
 from autotp.plans import plan_for
-from autotp.quant import Quant, check_kernel, int8_scales, quantize_int4, quantize_int8
+from autotp.quant import Quant, check_kernel, int8_scales, pack_int4, quantize_int4, quantize_int8
 from autotp.skeleton import skeleton
 
 GROUP = 32
@@ -80,8 +80,7 @@ def expected_slice(layout, name: str, rank: int, full: torch.Tensor, kind: str):
         (a, b), = shard.ranges
         scales = scales[a // GROUP:b // GROUP]
     if kind == "int4":
-        q = torch.cat([torch._convert_weight_to_int4pack_for_cpu(q[r:r + 64].to(torch.int32), 1)
-                       for r in range(0, q.shape[0], 64)])
+        q = pack_int4(q, torch.device("cpu"))
     return q, scales
 
 
@@ -148,7 +147,7 @@ def test_int4_refuses_a_tp_that_splits_a_group():
 
 @pytest.mark.parametrize("call, message", [
     (lambda: Quant.parse("int3"), "unknown quantization 'int3': choose one of int8, int4"),
-    (lambda: Quant.parse("int4", 48), "int4 group size 48 must be a multiple of 32"),
+    (lambda: Quant.parse("int4", 96), "int4 group size 96 is not one torch's int4 kernel takes: 32, 64, 128, 256"),
     (lambda: check_kernel("int4", torch.device("cuda", 0), torch.float16),
      "--quantize int4 on CUDA needs --dtype bfloat16"),
     (lambda: check_kernel("int8", torch.device("mps"), torch.float16), "kernels for cpu and cuda, not mps"),
@@ -156,3 +155,9 @@ def test_int4_refuses_a_tp_that_splits_a_group():
 def test_quantization_errors_name_the_choice(call, message):
     with pytest.raises(AutotpError, match=message):
         call()
+
+
+def test_packing_in_chunks_of_64_rows_is_packing_whole():
+    q = torch.randint(0, 16, (192, 128), dtype=torch.uint8)
+    whole = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+    assert torch.equal(pack_int4(q, torch.device("cpu")), whole)

@@ -162,8 +162,8 @@ def cmd_serve(args) -> int:
 def add_quantize_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantize", choices=QUANTIZE_CHOICES,
                         help="store the linear layers' weights as int8 (per output channel) or int4 (groups)")
-    parser.add_argument("--group-size", type=positive_int, default=128,
-                        help="input features per int4 group, a multiple of 32 (default 128)")
+    parser.add_argument("--group-size", type=int, choices=[32, 64, 128, 256], default=128,  # quant.INT4_GROUPS
+                        help="input features per int4 group (default 128)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -28,6 +28,7 @@ from torch import nn
 from autotp.errors import AutotpError
 
 KINDS = ("int8", "int4")
+INT4_GROUPS = (32, 64, 128, 256)  # the group sizes torch's int4 kernels take
 INT4_GROUP = 128  # input features per int4 group: StarCoder's dims and every even split of them at tp <= 4
 # int8 on CPU: from this many input rows on, dequantizing and calling F.linear beats torch._weight_int8pack_mm.
 # benchmarks/quant_kernels.py, StarCoder-1b/15b layer shapes, 1 thread: the kernel wins at 8-48 rows on most
@@ -47,8 +48,9 @@ class Quant:
             return None
         if kind not in KINDS:
             raise AutotpError(f"unknown quantization {kind!r}: choose one of {', '.join(KINDS)}")
-        if kind == "int4" and (group_size < 32 or group_size % 32):
-            raise AutotpError(f"int4 group size {group_size} must be a multiple of 32 (the kernel's)")
+        if kind == "int4" and group_size not in INT4_GROUPS:
+            raise AutotpError(f"int4 group size {group_size} is not one torch's int4 kernel takes: "
+                              f"{', '.join(map(str, INT4_GROUPS))}")
         return Quant(kind, group_size)
 
     def nbytes(self, out_features: int, in_features: int, dtype: torch.dtype) -> int:
@@ -70,16 +72,31 @@ def quantize_int8(w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_int4(w: torch.Tensor, group_size: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """w (rows, in) -> (q int32 (rows, in) in [0, 15], scales_and_zeros (in / group, rows, 2) in `dtype`)."""
+    """w (rows, in) -> (q uint8 (rows, in) in [0, 15], scales_and_zeros (in / group, rows, 2) in `dtype`).
+
+    The kernel computes (q - 8) * scale + zero with scale and zero as stored (rounded to `dtype`), so q is
+    taken against those rounded values: w ~= (q - 8) * s + z, z ~= min + 8 s."""
     rows, inp = w.shape
     groups = w.float().reshape(rows, inp // group_size, group_size)
     low, high = groups.amin(-1), groups.amax(-1)
     scales = ((high - low) / 15).to(dtype).float()
     scales = torch.where(scales == 0, torch.ones_like(scales), scales)
-    low = low.to(dtype).float()
-    q = torch.round((groups - low[..., None]) / scales[..., None]).clamp(0, 15).to(torch.int32)
-    zeros = low + 8 * scales
+    zeros = (low + 8 * scales).to(dtype).float()
+    q = (torch.round((groups - zeros[..., None]) / scales[..., None]) + 8).clamp(0, 15).to(torch.uint8)
     return q.reshape(rows, inp), torch.stack([scales, zeros], -1).transpose(0, 1).to(dtype).contiguous()
+
+
+def pack_int4(q: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """q uint8 (out, in) in [0, 15] -> the weight as the device's int4 kernel takes it, on the device.
+
+    CPU: torch packs 64 output rows at a time (a (in, 32) byte block each), so packing in chunks of 64
+    rows gives the same bytes as packing the whole, with an int32 transient of 64 rows only. CUDA: two
+    4-bit values per byte, made here, then torch's tiled layout (inner k tiles 8) on the device."""
+    if device.type == "cpu":
+        return torch.cat([torch._convert_weight_to_int4pack_for_cpu(q[r:r + 64].to(torch.int32), 1)
+                          for r in range(0, q.shape[0], 64)])
+    pairs = (q[:, ::2] << 4 | q[:, 1::2]).to(device)
+    return torch._convert_weight_to_int4pack(pairs, 8)
 
 
 def dequantize_int4(q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -90,17 +107,25 @@ def dequantize_int4(q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size:
     return ((groups - 8) * sz[..., :1] + sz[..., 1:]).reshape(rows, inp)
 
 
-def kernel_fits(kind: str, out_features: int, in_features: int, group_size: int, dtype: torch.dtype) -> str | None:
-    """Why torch's CPU kernel cannot take this weight shape (None when it can). Found by probing torch 2.13:
-    int4 packing wants out % 16 and in % 32 (and 16 x 32 itself fails); int8 with bfloat16 inputs crashes
-    the process for in % 8 != 0, so that is refused before any call."""
+def kernel_fits(kind: str, out_features: int, in_features: int, group_size: int, dtype: torch.dtype,
+                device_type: str = "cpu") -> str | None:
+    """Why the device's kernel cannot take this weight shape (None when it can). On CPU, found by probing
+    torch 2.13: int4 packing wants out % 16 and in % 32 (and 16 x 32 itself fails); int8 with bfloat16
+    inputs crashes the process for in % 8 != 0, so that is refused before any call. CUDA's int4 layout
+    (inner k tiles 8) wants in % 128 and out % 8, as gpt-fast checks."""
     if kind == "int8":
-        if dtype == torch.bfloat16 and in_features % 8:
+        if device_type == "cpu" and dtype == torch.bfloat16 and in_features % 8:
             return f"{in_features} input features are not a multiple of 8 (the bfloat16 int8 kernel's)"
         return None
-    if out_features % 16 or in_features % 32 or in_features % group_size or out_features * in_features <= 512:
-        return (f"({out_features}, {in_features}) is not a weight torch's int4 kernel packs "
-                f"(out % 16, in % 32 and in % {group_size} must be 0)")
+    if in_features % group_size:
+        return f"{in_features} input features do not form whole groups of {group_size}"
+    if device_type == "cuda":
+        if in_features % 128 or out_features % 8:
+            return f"({out_features}, {in_features}) is not a weight CUDA's int4 kernel packs (out % 8, in % 128)"
+        return None
+    if out_features % 16 or in_features % 32 or out_features * in_features <= 512:
+        return (f"({out_features}, {in_features}) is not a weight torch's CPU int4 kernel packs "
+                "(out % 16 and in % 32 must be 0)")
     return None
 
 
@@ -130,15 +155,6 @@ class QuantizedWeight(nn.Module):
         self.quant, self.out_features, self.in_features = quant, out_features, in_features
         self.register_buffer("qweight", qweight)
         self.register_buffer("scales", scales)
-
-    @staticmethod
-    def int4(quant: Quant, q: torch.Tensor, scales_and_zeros: torch.Tensor, device: torch.device) -> QuantizedWeight:
-        """From q int32 (out, in) in [0, 15]: packed for the device's kernel."""
-        out_features, in_features = q.shape
-        q = q.to(device)
-        packed = (torch._convert_weight_to_int4pack_for_cpu(q, 1) if device.type == "cpu"
-                  else torch._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8), 8))
-        return QuantizedWeight(quant, out_features, in_features, packed, scales_and_zeros.to(device))
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., in) in the model dtype -> (..., out)."""

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-from autotp.quant import Quant, QuantizedWeight, int8_scales, quantize_int4, quantize_int8
+from autotp.quant import Quant, QuantizedWeight, int8_scales, pack_int4, quantize_int4, quantize_int8
 
 # (first local row, block of rows) in the checkpoint's layout, in order, covering the rank's slice
 Blocks = Callable[[int | None], Iterable[tuple[int, torch.Tensor]]]
-PACK_ROWS = 64  # torch's CPU int4 packing works on 64 output rows at a time: packing in such chunks is exact
+PACK_ROWS = 64  # rows per block of an int4 nn.Linear weight (any count works; 64 is the CPU packing's unit)
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,8 @@ def quantize_slice(blocks: Blocks, target: QuantTarget, local_shape: tuple[int, 
 
 def _int8(blocks: Blocks, target: QuantTarget, out_features: int, in_features: int, dtype, device, reduce_max,
           row_max) -> QuantizedWeight:
+    if row_max is None and not target.conv1d and not target.splits_inputs:
+        return _int8_whole_rows(blocks, target, out_features, in_features, dtype, device)
     if row_max is None:
         row_max = torch.zeros(out_features)
         for start, block in blocks(None):
@@ -66,6 +68,19 @@ def _int8(blocks: Blocks, target: QuantTarget, out_features: int, in_features: i
     return QuantizedWeight(target.quant, out_features, in_features, q.to(device), scales.to(device))
 
 
+def _int8_whole_rows(blocks: Blocks, target: QuantTarget, out_features: int, in_features: int, dtype,
+                     device) -> QuantizedWeight:
+    """Column-parallel nn.Linear: every block holds whole rows, so each row's scale comes from its block and
+    the slice is read once."""
+    q = torch.empty(out_features, in_features, dtype=torch.int8)
+    scales = torch.empty(out_features, dtype=dtype)
+    for start, block in blocks(None):
+        rows = slice(start, start + block.shape[0])
+        scales[rows] = int8_scales(block.float().abs().amax(1), dtype)
+        q[rows] = quantize_int8(block, scales[rows])
+    return QuantizedWeight(target.quant, out_features, in_features, q.to(device), scales.to(device))
+
+
 def _int4(blocks: Blocks, target: QuantTarget, out_features: int, in_features: int, dtype,
           device) -> QuantizedWeight:
     group = target.quant.group_size
@@ -81,11 +96,7 @@ def _int4(blocks: Blocks, target: QuantTarget, out_features: int, in_features: i
             values, sz = quantize_int4(block, group, dtype)
             q[start:start + block.shape[0]] = values
             scales_and_zeros[:, start:start + block.shape[0]] = sz
-    if device.type != "cpu":
-        return QuantizedWeight.int4(target.quant, q.to(torch.int32), scales_and_zeros, device)
-    packed = torch.cat([torch._convert_weight_to_int4pack_for_cpu(q[r:r + PACK_ROWS].to(torch.int32), 1)
-                        for r in range(0, out_features, PACK_ROWS)])
-    return QuantizedWeight(target.quant, out_features, in_features, packed, scales_and_zeros)
+    return QuantizedWeight(target.quant, out_features, in_features, pack_int4(q, device), scales_and_zeros.to(device))
 
 
 def quantize_loaded(full: torch.Tensor, shard, target: QuantTarget, dtype: torch.dtype,
