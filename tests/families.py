@@ -79,16 +79,17 @@ def build(name: str):
     return widen(AutoModelForCausalLM.from_config(config(name), dtype=torch.float32).eval())
 
 
-# transformers 5 saves fused experts back in the hub's per-expert layout (experts.N.w1.weight, ...); these
-# families' checkpoints are written with the model's own fused 3-D tensors instead (see save).
-FUSED_EXPERTS = ("mixtral", "qwen2_moe")
-
-
 def save(name: str, model, directory) -> None:
+    """The model as `save_pretrained` writes it: transformers 5 un-fuses MoE experts into the hub's
+    per-expert layout (Mixtral's block_sparse_moe.experts.E.w1/w2/w3, Qwen2-MoE's mlp.experts.E.*_proj)."""
     model.save_pretrained(directory)
-    if name in FUSED_EXPERTS:
-        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, f"{directory}/model.safetensors",
-                  metadata={"format": "pt"})
+
+
+def save_fused(model, directory) -> None:
+    """The model's own state_dict, fused 3-D experts included, as its model.safetensors."""
+    model.save_pretrained(directory)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, f"{directory}/model.safetensors",
+              metadata={"format": "pt"})
 
 
 def reference(model) -> dict:

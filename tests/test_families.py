@@ -2,12 +2,13 @@
 
 import pytest
 import torch
-from families import FAMILIES, GLOBAL_SIZES, build, config, rank_outputs, reference, save
+from families import FAMILIES, GLOBAL_SIZES, build, config, rank_outputs, reference, save, save_fused
 from safetensors.torch import load_file
 from test_parity import LOGIT_ATOL
 
 from autotp.errors import AutotpError
 from autotp.layout import resolve
+from autotp.loader import Checkpoint, ExpertKeys
 from autotp.plans import builtin_plans, plan_for
 from autotp.plans.infer import infer_plan
 from autotp.report import plan_report
@@ -24,7 +25,7 @@ def family_checkpoint(tmp_path_factory):
             model = build(name)
             directory = tmp_path_factory.mktemp(name)
             save(name, model, directory)
-            made[name] = (str(directory), reference(model))
+            made[name] = (str(directory), reference(model) | {"state": model.state_dict()})
         return made[name]
 
     return get
@@ -37,14 +38,14 @@ def test_family_parity(pools, family_checkpoint, name, tp):
     ranks = pools(tp).run(rank_outputs, model_dir)
     cfg = config(name)
     plan = plan_for(cfg)
-    # every loaded tensor is exactly the planned slice of the checkpoint's (pure indexing: bit-exact)
+    # every loaded tensor is exactly the planned slice of the checkpoint's (pure indexing: bit-exact); fused
+    # experts, stored per expert, exactly the slice of the model's own fused tensor
     full = load_file(f"{model_dir}/model.safetensors")
-    layout = resolve(skeleton(cfg, torch.float32, buffers=False), plan, tp)
-    stored_as = {old: name for name, old in plan.checkpoint_names.items()}
+    layout = resolve(skeleton(cfg, torch.float32, buffers=False), plan, tp, Checkpoint(model_dir))
     for r, rank in enumerate(ranks):
-        for key, tensor in full.items():
-            name = stored_as.get(key, key)
-            assert torch.equal(rank["state"][name], layout.param(name).shards[r].take(tensor)), f"rank {r}: {key}"
+        for name, param in layout.params.items():
+            tensor = ref["state"][name] if isinstance(param.key, ExpertKeys) else full[param.key]
+            assert torch.equal(rank["state"][name], param.shards[r].take(tensor)), f"rank {r}: {param.key}"
     # fp32 logits within an all-reduce's rounding (see test_parity), scaled to these models' logit range
     atol = LOGIT_ATOL * max(1.0, ref["logits"].abs().max().item() / 10)
     for r, rank in enumerate(ranks):
@@ -203,3 +204,45 @@ def test_fused_experts_stay_unquantized_and_refuse_what_they_cannot_split():
     net.model.layers[0].mlp.experts.has_bias = True
     with pytest.raises(AutotpError, match="MixtralExperts has expert biases or post-expert norms"):
         resolve(net, plan_for(cfg), 2)
+
+
+def test_a_checkpoint_with_fused_experts_loads_too(pools, tmp_path):
+    """A checkpoint holding the model's own fused 3-D experts (its transformers 5 state_dict written with
+    safetensors' save_file) loads as well as the hub's per-expert one: at tp 3, every tensor bit-exact and
+    the greedy tokens identical."""
+    model = build("mixtral")
+    save_fused(model, tmp_path)
+    ref, state = reference(model), model.state_dict()
+    layout = resolve(skeleton(config("mixtral"), torch.float32, buffers=False), plan_for(config("mixtral")), 3,
+                     Checkpoint(tmp_path))
+    assert layout.param("model.layers.1.mlp.experts.gate_up_proj").key == "model.layers.1.mlp.experts.gate_up_proj"
+    for r, rank in enumerate(pools(3).run(rank_outputs, str(tmp_path))):
+        assert rank["greedy"] == ref["greedy"], f"rank {r}"
+        for name, param in layout.params.items():
+            assert torch.equal(rank["state"][name], param.shards[r].take(state[name])), f"rank {r}: {name}"
+
+
+def test_per_expert_checkpoint_errors_name_the_tensor_and_both_shapes(tmp_path):
+    """The hub's per-expert layout is validated like any other: a missing expert's part, a mis-shaped one,
+    and a checkpoint that holds both the fused and the per-expert form are errors before any weight is read."""
+    from safetensors.torch import save_file
+
+    cfg, model = config("mixtral"), build("mixtral")
+    model.save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+
+    def resolve_with(changed):
+        save_file(changed, tmp_path / "model.safetensors", metadata={"format": "pt"})
+        return resolve(skeleton(cfg, torch.float32, buffers=False), plan_for(cfg), 2, Checkpoint(tmp_path))
+
+    key = "model.layers.1.block_sparse_moe.experts.3.w3.weight"
+    with pytest.raises(AutotpError, match=f"lacks 1 tensors the model needs: {key}$"):
+        resolve_with({k: v for k, v in tensors.items() if k != key})
+    with pytest.raises(AutotpError, match=rf"{key} has shape \(40, 48\) but the config gives \(44, 48\) \(one "
+                                          r"expert's part of model.layers.1.mlp.experts.gate_up_proj \(4, 88, 48\)\)"):
+        resolve_with(tensors | {key: tensors[key][:40]})
+    fused = {"model.layers.1.mlp.experts.down_proj": model.state_dict()["model.layers.1.mlp.experts.down_proj"]}
+    with pytest.raises(AutotpError, match="has 4 tensors the model does not use: "
+                                          "model.layers.1.block_sparse_moe.experts.0.w2.weight"):
+        resolve_with(tensors | fused)
+    assert isinstance(resolve_with(tensors).param("model.layers.1.mlp.experts.down_proj").key, ExpertKeys)

@@ -381,3 +381,31 @@ def test_a_checkpoint_saved_from_the_base_model_loads(tmp_path):
     ids = torch.tensor([[1, 2, 3, 4]])
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+@pytest.mark.parametrize("block_bytes", [1, 300, None])
+def test_experts_stored_per_expert_read_as_the_fused_slice(tmp_path, monkeypatch, block_bytes):
+    """A fused (experts, 2*I, hidden) tensor stored as one (I, hidden) gate and up per expert (the hub's
+    layout), and (experts, hidden, I) as one down per expert: any shard of the fused tensor (rows of gate and
+    up, columns of down, whole experts) is assembled bit-exact from the parts' slices, each read in blocks
+    no larger than block_bytes (or one innermost row)."""
+    torch.manual_seed(0)
+    gate_up, down = torch.randn(3, 2 * 11, 6), torch.randn(3, 6, 11)
+    parts = {f"e.{e}.gate": gate_up[e, :11] for e in range(3)} | {f"e.{e}.up": gate_up[e, 11:] for e in range(3)}
+    parts |= {f"e.{e}.down": down[e] for e in range(3)}
+    save_file({k: v.contiguous() for k, v in parts.items()}, tmp_path / "model.safetensors")
+    spy = _SpanSpy()
+    monkeypatch.setattr(loader, "safe_open", spy)
+    ckpt = Checkpoint(tmp_path) if block_bytes is None else Checkpoint(tmp_path, block_bytes=block_bytes)
+    fused_gu = loader.ExpertKeys((3, 22, 6), tuple((f"e.{e}.gate", f"e.{e}.up") for e in range(3)))
+    fused_d = loader.ExpertKeys((3, 6, 11), tuple((f"e.{e}.down",) for e in range(3)))
+    cases = [(fused_gu, gate_up, TensorShard.along(1, [(4, 8), (15, 19)])),  # a rank's gate and up rows
+             (fused_gu, gate_up, TensorShard.along(1, [(8, 14)])),  # a range across the gate | up boundary
+             (fused_d, down, TensorShard.along(2, [(4, 8)])), (fused_d, down, TensorShard.along(2, [(0, 2), (9, 11)])),
+             (fused_gu, gate_up, TensorShard.along(0, [(1, 3)])), (fused_d, down, TensorShard())]
+    for keys, tensor, shard in cases:
+        spy.spans.clear()
+        assert torch.equal(ckpt.read(keys, shard, None), shard.take(tensor)), (shard, block_bytes)
+        assert max(spy.spans) <= max(block_bytes or loader.BLOCK_BYTES, 11 * 4), (shard, block_bytes)
+    assert torch.equal(ckpt.read(fused_gu, TensorShard.along(1, [(0, 3), (11, 14)]), torch.bfloat16),
+                       gate_up[:, [0, 1, 2, 11, 12, 13]].to(torch.bfloat16))

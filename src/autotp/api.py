@@ -76,7 +76,8 @@ def _reduce_max(group):
 def from_pretrained(model: str | os.PathLike, dtype: str | torch.dtype | None = None, tp_size: int | None = None,
                     device: str | torch.device | None = None, check_inputs: bool = True,
                     quantize: str | None = None, group_size: int = INT4_GROUP) -> nn.Module:
-    """Load this rank's shard of a safetensors causal LM; every rank reads only its own slices.
+    """Load this rank's shard of a safetensors causal LM; every rank reads only its own slices (of each
+    expert's tensor, too, where an MoE checkpoint stores the experts one tensor each, as the hub's do).
 
     model: a local directory or a hub id (downloaded once per node). dtype: None keeps the checkpoint's
     floating dtype. tp_size: defaults to WORLD_SIZE (must equal it). device: defaults to

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from autotp.errors import AutotpError
-from autotp.loader import Checkpoint
+from autotp.loader import Checkpoint, ExpertKeys
 from autotp.partition import HeadShard
 from autotp.plans import Plan
 from autotp.quant import Quant, kernel_fits
@@ -39,7 +39,9 @@ class Param:
 
     name: str  # its first name, in registration order
     aliases: tuple[str, ...]  # its other names (weights tied to it)
-    key: str | None  # the checkpoint tensor it is read from; None when no checkpoint was given
+    # the checkpoint tensor it is read from (or a fused experts tensor's per-expert tensors); None when no
+    # checkpoint was given
+    key: str | ExpertKeys | None
     shape: tuple[int, ...]  # global
     dtype: torch.dtype
     shards: tuple[TensorShard, ...]  # [rank] -> the part that rank holds
@@ -173,10 +175,11 @@ def _rank_shards(model: nn.Module, plan: Plan, swaps, names: dict[str, list[str]
 
 
 def _checkpoint_keys(checkpoint: Checkpoint, model: nn.Module, plan: Plan,
-                     names: dict[str, list[str]]) -> dict[str, str]:
+                     names: dict[str, list[str]]) -> dict[str, str | ExpertKeys]:
     """First name -> the checkpoint key holding it: any of its names, the older name the plan knows, or
     either without the model's base prefix (checkpoints saved from the base model, as GPT-2's and
-    BLOOM's on the hub are, say `h.0.attn.c_attn.weight` for `transformer.h.0.attn.c_attn.weight`)."""
+    BLOOM's on the hub are, say `h.0.attn.c_attn.weight` for `transformer.h.0.attn.c_attn.weight`); for
+    a fused experts parameter, its per-expert tensors where the plan's fused_sources name them."""
     prefix = f"{model.base_model_prefix}." if getattr(model, "base_model_prefix", "") else None
     expected = {}
     for first, all_names in names.items():
@@ -185,4 +188,10 @@ def _checkpoint_keys(checkpoint: Checkpoint, model: nn.Module, plan: Plan,
             candidates += [n.removeprefix(prefix) for n in candidates if n.startswith(prefix)]
         expected[first] = candidates
     metas = {first: model.get_parameter(first) for first in names}
-    return checkpoint.validate(expected, metas, getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])
+    per_expert = {}
+    for first, meta in metas.items():
+        keys = plan.expert_keys(first, meta.shape[0]) if meta.dim() == 3 else None
+        if keys is not None:
+            per_expert[first] = ExpertKeys(tuple(meta.shape), keys)
+    return checkpoint.validate(expected, metas, getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [],
+                               per_expert)

@@ -4,7 +4,9 @@
 shapes), which is enough to validate a checkpoint against a model before a byte of weight is read.
 `Checkpoint.read` then opens the tensor's file, reads the shard's ranges with safetensors' lazy
 slicing (`safe_open(...).get_slice(name)[a:b]`) and closes it again: a handle held open for the whole
-load keeps every touched page of the memory map resident, opening per tensor lets them go.
+load keeps every touched page of the memory map resident, opening per tensor lets them go. A fused
+experts tensor the checkpoint stores one tensor per expert (`ExpertKeys`) is assembled from the rank's
+slice of each.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 from safetensors import safe_open
 
 from autotp.errors import AutotpError
-from autotp.styles import TensorShard
+from autotp.styles import REPLICATED, TensorShard
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -92,6 +94,38 @@ def _entry(path: Path, name: str, info, data_size: int) -> Entry:
     return Entry(path, DTYPES[dtype], tuple(shape))
 
 
+@dataclass(frozen=True)
+class ExpertKeys:
+    """A fused experts tensor (experts, rows, cols) stored the hub's way: keys[e][p] holds rows
+    p*h:(p+1)*h of expert e's matrix, (h, cols) with h = rows / parts (plans.plan.FusedSource)."""
+
+    shape: tuple[int, ...]  # the fused tensor's, global
+    keys: tuple[tuple[str, ...], ...]  # [expert][part]
+
+    def part_shape(self) -> tuple[int, int]:
+        return self.shape[1] // len(self.keys[0]), self.shape[2]
+
+    def reads(self, shard: TensorShard) -> list[tuple[str, TensorShard, int, int]]:
+        """`shard` of the fused tensor as reads of the parts: (key, shard of that part, the rank's expert index,
+        its first row in that expert's local matrix). A row slice (dim 1, e.g. gate rows a:b and up rows
+        I+a:I+b) reads rows of the parts it spans, a column slice (dim 2) the same columns of every part,
+        an expert slice (dim 0) only those experts' parts, whole."""
+        rows, h = self.shape[1], self.part_shape()[0]
+        experts = [e for a, b in shard.ranges for e in range(a, b)] if shard.dim == 0 else range(self.shape[0])
+        spans = shard.ranges if shard.dim == 1 else ((0, rows),)
+        out = []
+        for local, e in enumerate(experts):
+            row = 0
+            for a, b in spans:
+                for p in range(a // h, (b - 1) // h + 1):
+                    a_p, b_p = max(a, p * h) - p * h, min(b, (p + 1) * h) - p * h
+                    part = (TensorShard.along(0, [(a_p, b_p)]) if shard.dim == 1
+                            else TensorShard.along(1, list(shard.ranges)) if shard.dim == 2 else REPLICATED)
+                    out.append((self.keys[e][p], part, local, row))
+                    row += b_p - a_p
+        return out
+
+
 def _index_files(index: Path) -> list[str]:
     """The shard files an index's weight_map names: strings, each a path inside the index's directory.
 
@@ -150,32 +184,38 @@ class Checkpoint:
         return max(counts, key=counts.get) if counts else None
 
     def validate(self, expected: dict[str, list[str]], params: dict[str, torch.Tensor],
-                 ignored: list[str] = ()) -> dict[str, str]:
+                 ignored: list[str] = (), per_expert: dict[str, ExpertKeys] | None = None
+                 ) -> dict[str, str | ExpertKeys]:
         """Match the model's parameters to checkpoint keys before loading; return first name -> key.
 
         expected: first name -> every name of that parameter (tied weights); params: first name -> the
-        model's (meta) parameter, for the global shape and the kind of dtype it wants. Missing, unused and
-        mis-shaped tensors are errors, and so is integer data for a floating-point parameter or the reverse
-        (`read` converts between floating dtypes only); `ignored` are regexes of checkpoint keys the model
-        declares it does not load (HF's `_keys_to_ignore_on_load_unexpected`).
+        model's (meta) parameter, for the global shape and the kind of dtype it wants. per_expert: first
+        name -> the per-expert tensors that may hold a fused experts parameter instead (its key is then
+        that ExpertKeys). Missing, unused and mis-shaped tensors are errors, and so is integer data for a
+        floating-point parameter or the reverse (`read` converts between floating dtypes only); `ignored`
+        are regexes of checkpoint keys the model declares it does not load (HF's
+        `_keys_to_ignore_on_load_unexpected`).
         """
         keys, missing, claimed = {}, [], set()
         for first, names in expected.items():
             present = [n for n in names if n in self.entries]
+            split = (per_expert or {}).get(first)
+            if not present and split is not None and any(k in self.entries for ks in split.keys for k in ks):
+                absent = [k for ks in split.keys for k in ks if k not in self.entries]
+                missing.extend(absent)
+                claimed.update(k for ks in split.keys for k in ks)
+                if not absent:
+                    keys[first] = split
+                    for k in (k for ks in split.keys for k in ks):
+                        self._check(k, split.part_shape(), params[first], first,
+                                    f" (one expert's part of {first} {split.shape})")
+                continue
             if not present:
                 missing.append(first)
                 continue
             claimed.update(present)
             keys[first] = present[0]
-            entry, want = self.entries[present[0]], params[first]
-            if entry.shape != tuple(want.shape):
-                raise AutotpError(
-                    f"checkpoint tensor {present[0]} has shape {entry.shape} but the config gives {tuple(want.shape)}"
-                )
-            if entry.dtype.is_floating_point != want.dtype.is_floating_point:
-                raise AutotpError(f"checkpoint tensor {present[0]} in {entry.file} is stored as "
-                                  f"{DTYPE_NAMES[entry.dtype]}, but the model's {first} is "
-                                  f"{str(want.dtype).removeprefix('torch.')}")
+            self._check(present[0], tuple(params[first].shape), params[first], first)
         if missing:
             raise AutotpError(f"checkpoint in {self.directory} lacks {len(missing)} tensors the model needs: "
                               f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
@@ -185,13 +225,35 @@ class Checkpoint:
                               f"{', '.join(sorted(unused)[:5])}{' ...' if len(unused) > 5 else ''}")
         return keys
 
-    def read(self, key: str, shard: TensorShard, dtype: torch.dtype | None) -> torch.Tensor:
-        """Read only `shard` of tensor `key` into a new tensor, converting floating-point data to `dtype`."""
+    def _check(self, key: str, shape: tuple[int, ...], want: torch.Tensor, first: str, note: str = "") -> None:
+        """Tensor `key` has `shape` and the kind of dtype (floating or not) of the model's parameter `first`."""
+        entry = self.entries[key]
+        if entry.shape != shape:
+            raise AutotpError(f"checkpoint tensor {key} has shape {entry.shape} but the config gives {shape}{note}")
+        if entry.dtype.is_floating_point != want.dtype.is_floating_point:
+            raise AutotpError(f"checkpoint tensor {key} in {entry.file} is stored as {DTYPE_NAMES[entry.dtype]}, "
+                              f"but the model's {first} is {str(want.dtype).removeprefix('torch.')}")
+
+    def read(self, key: str | ExpertKeys, shard: TensorShard, dtype: torch.dtype | None) -> torch.Tensor:
+        """Read only `shard` of tensor `key` into a new tensor, converting floating-point data to `dtype`; a
+        fused experts tensor stored per expert is assembled from each part's slice, each read in blocks."""
+        if isinstance(key, ExpertKeys):
+            return self._read_experts(key, shard, dtype)
         entry = self.entries[key]
         target = dtype if dtype is not None and entry.dtype.is_floating_point else entry.dtype
         out = torch.empty(shard.local_shape(entry.shape), dtype=target)
         for where, block in self.blocks(key, shard, dtype):
             out[where] = block
+        return out
+
+    def _read_experts(self, key: ExpertKeys, shard: TensorShard, dtype: torch.dtype | None) -> torch.Tensor:
+        first = self.entries[key.keys[0][0]]
+        target = dtype if dtype is not None and first.dtype.is_floating_point else first.dtype
+        out = torch.empty(shard.local_shape(key.shape), dtype=target)
+        for part_key, part, expert, row in key.reads(shard):
+            dest = out[expert].narrow(0, row, part.local_shape(key.part_shape())[0])
+            for where, block in self.blocks(part_key, part, dtype):
+                dest[where] = block
         return out
 
     def row_blocks(self, key: str, shard: TensorShard, dtype: torch.dtype | None, rows: int | None = None):

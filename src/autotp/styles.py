@@ -320,7 +320,9 @@ class FusedExperts:
     `intermediate_dim` keeps the global size. Expert biases (a down bias would be added on every rank)
     and post-expert norms (nonlinear in a partial sum) are refused.
 
-    Each rank's features are an even split in granules (`feature_range`).
+    Each rank's features are an even split in granules (`feature_range`). A checkpoint that stores one
+    tensor per expert (the hub's layout) is assembled into these slices by the loader (`loader.ExpertKeys`,
+    as the plan's `fused_sources` say).
 
     Expert parallelism (whole experts per rank) is left out: it splits evenly only when experts divide by
     tp, needs a token all-to-all (or a masked forward and an all-reduce over every expert) and balances

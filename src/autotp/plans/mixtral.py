@@ -8,6 +8,13 @@ evenly across ranks (styles.FusedExperts: every rank holds a slice of every expe
 combined output is all-reduced once per layer. Expert parallelism (whole experts per rank) is not done:
 see FusedExperts for why.
 
+Checkpoints on the hub (and transformers 5's own `save_pretrained`) store the experts un-fused, one tensor
+per expert: Mixtral's `block_sparse_moe.experts.E.w1` (gate, (I, hidden)), `.w3` (up) and `.w2` (down,
+(hidden, I)), with the router at `block_sparse_moe.gate`; Qwen2-MoE's `mlp.experts.E.gate_proj`, `up_proj`
+and `down_proj`. `fused_sources` says how they form the fused parameters (transformers' conversion_mapping
+facts, restated), so each rank reads its rows of every gate and up and its columns of every down; a
+checkpoint holding the fused tensors loads too.
+
 Qwen2-MoE adds `mlp.shared_expert`, a dense gated MLP (column-, then row-parallel: its down_proj
 all-reduces), scaled by `sigmoid(mlp.shared_expert_gate(x))`, a replicated (1, hidden) linear on the full
 hidden state. The block returns experts + gate * shared: both terms are complete sums on every rank, so
@@ -17,7 +24,7 @@ the `decoder_sparse_step`, have a dense MLP at `mlp.{gate,up,down}_proj`.
 
 from autotp.plans.common import llama_heads, separate_qkvo
 from autotp.plans.llama import GATED
-from autotp.plans.plan import Plan
+from autotp.plans.plan import FusedSource, Plan
 from autotp.styles import Colwise, FusedExperts, Rowwise, Vocab, VocabHead
 
 FAMILIES = ("mixtral", "qwen2_moe")
@@ -31,6 +38,22 @@ def _has_dense_layers(config) -> bool:
     return any(i in only or config.num_experts == 0 or (i + 1) % step for i in range(config.num_hidden_layers))
 
 
+def _per_expert(config) -> tuple[dict[str, FusedSource], dict[str, str]]:
+    """The hub's per-expert names: fused sources, and the router's old name (Mixtral only)."""
+    if config.model_type == "mixtral":
+        moe = "model.layers.*.block_sparse_moe.experts.{expert}"
+        gate_up, down = (f"{moe}.w1.weight", f"{moe}.w3.weight"), (f"{moe}.w2.weight",)
+        router = {f"model.layers.{i}.mlp.gate.weight": f"model.layers.{i}.block_sparse_moe.gate.weight"
+                  for i in range(config.num_hidden_layers)}
+    else:
+        moe = "model.layers.*.mlp.experts.{expert}"
+        gate_up, down = (f"{moe}.gate_proj.weight", f"{moe}.up_proj.weight"), (f"{moe}.down_proj.weight",)
+        router = {}
+    sources = {"model.layers.*.mlp.experts.gate_up_proj": FusedSource(gate_up),
+               "model.layers.*.mlp.experts.down_proj": FusedSource(down)}
+    return sources, router
+
+
 def plan(config) -> Plan:
     heads, kv_heads, head_dim = llama_heads(config)
     layer = separate_qkvo("self_attn") | {"mlp.experts": FusedExperts()}
@@ -39,6 +62,7 @@ def plan(config) -> Plan:
                   "mlp.shared_expert.down_proj": Rowwise()}
     if _has_dense_layers(config):
         layer |= GATED
+    sources, router = _per_expert(config)
     return Plan(
         family=config.model_type,
         num_heads=heads,
@@ -48,4 +72,6 @@ def plan(config) -> Plan:
         | {"lm_head": VocabHead()},
         attention="model.layers.*.self_attn",
         attention_attrs={"num_key_value_groups": "q_per_kv"},
+        checkpoint_names=router,
+        fused_sources=sources,
     )
