@@ -40,6 +40,7 @@ def model_card(s: dict) -> str:
         "total_epochs": s.get("all_phases_epochs", s["epochs"]),
         "training": training(t, s, phases),
         "table": table(s, phases),
+        "quantized": quantized(t, s),
         "reproduce": reproduce(t, s, phases),
         "curves": "`demo/loss_curve.csv`" + (" and `demo/loss_curve_continued.csv`" if len(phases) > 1 else ""),
         "fim_vs_plain": "worse than" if s["heldout_fim_middle_loss"] > s["heldout_plain_loss"] else "better than",
@@ -96,6 +97,23 @@ def table(s: dict, phases: list[dict]) -> str:
         cells = " | ".join(f"{ph[f'heldout_{lo}']:.3f} | {ph[f'heldout_{pp}']:.1f}" for ph in phases)
         lines.append(f"| {name} | {cells} |")
     return "\n".join([head, *lines])
+
+
+def quantized(t: dict[str, str], s: dict) -> str:
+    """The quantized-weights section (after the held-out results), when metrics.json has its figures
+    (benchmarks/quant_quality.py --update-metrics); else nothing."""
+    q = s.get("quantized")
+    if not q:
+        return ""
+    lines = ["| weights | weights MB | held-out loss | vs fp32 | FIM loss | vs fp32 | prefix agreement "
+             "| position-wise agreement | identical continuations |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, r in q["rows"].items():
+        lines.append(
+            f"| {name} | {r['weight_bytes'] / 1e6:.1f} | {r['heldout_plain_loss']:.4f} | {r['plain_loss_change']:+.2%} "
+            f"| {r['heldout_fim_loss']:.4f} | {r['fim_loss_change']:+.2%} | {r['prefix_agreement']:.1%} "
+            f"| {r['positionwise_agreement']:.1%} | {r['identical_prompts']} of {q['prompts']} |"
+        )
+    return "\n\n" + t["quantized"].format(**q, quant_table="\n".join(lines))
 
 
 def reproduce(t: dict[str, str], s: dict, phases: list[dict]) -> str:
