@@ -86,8 +86,10 @@ def _download(store, key: str, repo_id: str, patterns: list[str]) -> Path:
     beat.start()
     try:
         local = _snapshot(repo_id, patterns)
-    except AutotpError as e:
-        store.set(f"{key}/status", f"error:{e}")
+    except BaseException as e:  # whatever ends the download, the waiting ranks must hear of it, not stall
+        reason = str(e) if isinstance(e, AutotpError) else f"the download of {repo_id!r} by LOCAL_RANK 0 failed: " \
+                                                             f"{type(e).__name__}"
+        store.set(f"{key}/status", f"error:{reason}")
         raise
     finally:
         done.set()

@@ -220,11 +220,19 @@ class Engine:
 
     def _run(self, batch: list[Job]) -> None:
         def on_token(i: int, tokens: list[int]) -> None:
+            # runs on rank 0 only, inside the step every rank takes together: nothing may escape from here,
+            # or rank 0 would leave the step while the others wait in its collectives (a hang). A delta that
+            # fails to decode (e.g. the tokenizer busy in the parser thread) is sent with the next one.
             job = batch[i]
-            if job.stream is not None:
+            if job.stream is None:
+                return
+            try:
                 delta = job.stream.delta(decode(self.tokenizer, tokens))
-                if delta:
-                    job.emit(("text", job.index, delta))
+            except Exception as e:  # noqa: BLE001 - see above
+                log(f"{job.request} prompt {job.index}: a streamed delta is deferred: {type(e).__name__}: {e}")
+                return
+            if delta:
+                job.emit(("text", job.index, delta))
 
         outcomes, error = run_agreed(self.control, lambda: run_batch(
             self.model, self.tokenizer, [j.row for j in batch], on_token,
@@ -242,7 +250,11 @@ class Engine:
                 log(f"{job.request} prompt {job.index} cancelled after {len(out.tokens)} of {job.row.max_tokens} "
                     f"tokens: the client went away")
             else:
-                self._finish(job, out)
+                try:
+                    self._finish(job, out)
+                except Exception as e:  # noqa: BLE001 - rank 0's decoding after the batch: this request only
+                    log(f"{job.request} prompt {job.index} failed after generating: {type(e).__name__}: {e}")
+                    job.fail(500, f"decoding the completion failed: {type(e).__name__}")
 
     def _finish(self, job: Job, out: Outcome) -> None:
         text, _ = cut_at_stop(decode(self.tokenizer, out.tokens), job.row.stop)

@@ -50,6 +50,12 @@ def _log_request(cid: str, status: int, start: float, prompt_tokens: int = 0, re
     log(f"{line} error={clip(error)!r}" if error else line)
 
 
+def _cancel_unfinished(jobs: list[Job], results: dict) -> None:
+    """The request ended without all its prompts (the client left, or one prompt failed): stop the others."""
+    for job in jobs:
+        job.cancelled = job.index not in results
+
+
 async def _watch_disconnect(request: Request, jobs: list[Job]) -> None:
     """Cancel the jobs when the client goes away (to be cancelled itself before the response is sent:
     once the body is read, the next message uvicorn delivers is the disconnect)."""
@@ -129,6 +135,8 @@ def build_app(served: Served, engine: Engine, max_body_bytes: int, allowed_hosts
                     results[index] = payload
         finally:
             watcher.cancel()
+            if len(results) < len(jobs):
+                _cancel_unfinished(jobs, results)
         ordered = [results[i] for i in range(len(jobs))]
         _log_request(cid, 200, start, req.prompt_tokens, ordered)
         return completion_chunk(cid, served, [choice(i, r.text, r.finish_reason) for i, r in enumerate(ordered)],
@@ -159,9 +167,8 @@ async def _stream(cid: str, served: Served, req: Completion, jobs: list[Job], ev
         yield "data: [DONE]\n\n"
         status, error = 200, ""
     finally:
-        if status == 499:
-            for job in jobs:
-                job.cancelled = job.index not in results
+        if status != 200:
+            _cancel_unfinished(jobs, results)
         _log_request(cid, status, start, req.prompt_tokens, results.values(), error)
 
 
