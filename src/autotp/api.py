@@ -66,13 +66,6 @@ def _param_bytes(model: nn.Module) -> int:
     return quantized + sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def _reduce_max(group):
-    """In-place MAX over the ranks of `group` (the identity on one rank): int8 row maxima while loading."""
-    if group is None:
-        return lambda t: None
-    return lambda t: torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group)
-
-
 def from_pretrained(model: str | os.PathLike, dtype: str | torch.dtype | None = None, tp_size: int | None = None,
                     device: str | torch.device | None = None, check_inputs: bool = True,
                     quantize: str | None = None, group_size: int = INT4_GROUP) -> nn.Module:
@@ -97,16 +90,16 @@ def from_pretrained(model: str | os.PathLike, dtype: str | torch.dtype | None = 
     net = skeleton(config, dtype)
     if quant is not None:
         check_kernel(quant.kind, env.device, dtype)
-    layout = resolve(net, plan, tp, ckpt, quant)  # everything checked before the first weight is read
+    layout = resolve(net, plan, tp, ckpt, quant, device_type=env.device.type)  # all checked before reading
     progress = tqdm(total=len(layout.params), desc=f"loading {plan.family} tp={tp}", unit="tensor",
                     disable=env.rank != 0 or not sys.stderr.isatty())
-    reduce_max = _reduce_max(env.group)
 
     def read(param: Param, shard: TensorShard, meta: nn.Parameter) -> torch.Tensor | QuantizedWeight:
         progress.update()
         if param.quant is not None:
             return quantize_slice(lambda rows: ckpt.row_blocks(param.key, shard, dtype, rows), param.quant,
-                                  param.local_shape(env.rank), dtype, env.device, reduce_max)
+                                  param.local_shape(env.rank), dtype, env.device,
+                                  lambda row_max: distributed.all_reduce_max(row_max, env))
         return ckpt.read(param.key, shard, dtype if meta.is_floating_point() else None).to(env.device)
 
     parallelize(net, layout, env.rank, env.group, read)
@@ -154,7 +147,7 @@ def init_inference(model: nn.Module, mp_size: int | None = None, tensor_parallel
     plan = _plan(model.config)
     if quant is not None:
         check_kernel(quant.kind, env.device, dtype or next(model.parameters()).dtype)
-    layout = resolve(model, plan, tp, quant=quant, dtype=dtype)
+    layout = resolve(model, plan, tp, quant=quant, dtype=dtype, device_type=env.device.type)
 
     def take(param: Param, shard: TensorShard, full: nn.Parameter) -> torch.Tensor | QuantizedWeight:
         if param.quant is not None:

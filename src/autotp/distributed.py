@@ -164,6 +164,20 @@ def init(device: str | torch.device | None = None, timeout_s: float | None = Non
     return Dist(rank, world, 0 if local_rank is None else local_rank, dev, dist.group.WORLD)
 
 
+def wire_device(env: Dist) -> torch.device:
+    """Where a tensor must be for a collective on the group: NCCL reduces only device tensors."""
+    return env.device if dist.get_backend(env.group) == "nccl" else torch.device("cpu")
+
+
+def all_reduce_max(tensor: torch.Tensor, env: Dist) -> None:
+    """In place, the elementwise MAX of `tensor` over the ranks (nothing to do on one rank)."""
+    if env.group is None:
+        return
+    wired = tensor.to(wire_device(env))
+    dist.all_reduce(wired, op=dist.ReduceOp.MAX, group=env.group)
+    tensor.copy_(wired)
+
+
 def sync_random_state(env: Dist) -> None:
     """Give every rank rank 0's CPU (and current CUDA device's) random state.
 
@@ -174,7 +188,7 @@ def sync_random_state(env: Dist) -> None:
     """
     if env.group is None:
         return
-    wire = env.device if dist.get_backend(env.group) == "nccl" else torch.device("cpu")
+    wire = wire_device(env)
     states = [(torch.get_rng_state, torch.set_rng_state)]
     if env.device.type == "cuda":
         states.append((torch.cuda.get_rng_state, torch.cuda.set_rng_state))

@@ -30,7 +30,7 @@ from autotp.partition import HeadShard
 from autotp.plans import Plan
 from autotp.quant import Quant, kernel_fits
 from autotp.quant_load import QuantTarget
-from autotp.styles import REPLICATED, Colwise, FusedQKV, Geometry, RankContext, Rowwise, Style, TensorShard
+from autotp.styles import REPLICATED, Geometry, RankContext, Rowwise, Style, TensorShard
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ def parameter_names(model: nn.Module) -> dict[str, list[str]]:
 
 
 def resolve(model: nn.Module, plan: Plan, tp: int, checkpoint: Checkpoint | None = None,
-            quant: Quant | None = None, dtype: torch.dtype | None = None) -> Layout:
+            quant: Quant | None = None, dtype: torch.dtype | None = None, device_type: str = "cpu") -> Layout:
     """The layout of `model` under `plan` at `tp` ranks, its linear weights quantized as `quant` says and
     its floating parameters held in `dtype` (None: as the model has them); raises AutotpError on anything
     that cannot load."""
@@ -105,21 +105,21 @@ def resolve(model: nn.Module, plan: Plan, tp: int, checkpoint: Checkpoint | None
         params[first] = Param(first, tuple(all_names[1:]), keys.get(first), tuple(meta.shape), held,
                               tuple(shards[first] for shards in per_rank), targets.get(first))
         if params[first].quant is not None:
-            _check_quantizable(params[first], tp)
+            _check_quantizable(params[first], tp, device_type)
     return Layout(plan, tp, heads, swaps, params)
 
 
 def _quant_targets(model: nn.Module, swaps, quant: Quant) -> dict[str, QuantTarget]:
-    """The weights of the column- and row-parallel linear layers; embeddings, the output head (tied to the
-    embedding in the families that matter most, so a quantized copy would add memory, not save it), norms
-    and biases stay in the model dtype."""
+    """The weights of the layers whose style says `quantizable` (the column- and row-parallel linears);
+    embeddings, the output head (tied to the embedding in the families that matter most, so a quantized
+    copy would add memory, not save it), experts, norms and biases stay in the model dtype."""
     return {f"{path}.weight": QuantTarget(quant, Geometry.of(model.get_submodule(path)).conv1d,
                                           isinstance(style, Rowwise))
-            for path, style in swaps if isinstance(style, (Colwise, FusedQKV, Rowwise))}
+            for path, style in swaps if getattr(style, "quantizable", False)}
 
 
-def _check_quantizable(param: Param, tp: int) -> None:
-    """int4 groups whole on every rank, and every rank's slice a shape the kernel takes."""
+def _check_quantizable(param: Param, tp: int, device_type: str) -> None:
+    """int4 groups whole on every rank, and every rank's slice a shape the device's kernel takes."""
     target = param.quant
     kind, group = target.quant.kind, target.quant.group_size
     in_dim = 0 if target.conv1d else 1
@@ -132,7 +132,7 @@ def _check_quantizable(param: Param, tp: int) -> None:
                 raise AutotpError(f"int4 quantizes {param.name} in groups of {group} input features, but at tp {tp} "
                                   f"rank {rank} holds inputs {a}:{b} of {param.shape[in_dim]}, which splits a group: "
                                   f"choose a tp whose split keeps whole groups, or --quantize int8")
-        why = kernel_fits(kind, local[1 - in_dim], local[in_dim], group, param.dtype)
+        why = kernel_fits(kind, local[1 - in_dim], local[in_dim], group, param.dtype, device_type)
         if why:
             raise AutotpError(f"cannot quantize {param.name} to {kind} at tp {tp} (rank {rank}): {why}")
 

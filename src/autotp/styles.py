@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import ClassVar, Literal, Protocol
 
 import torch
 from torch import nn
@@ -120,7 +120,9 @@ class Geometry:
 
 
 class Style(Protocol):
-    """How one module is partitioned: the part of each parameter a rank holds, and the module it runs."""
+    """How one module is partitioned: the part of each parameter a rank holds, and the module it runs.
+    A style whose module can run a `quant.QuantizedWeight` says so with a class attribute
+    `quantizable = True`; `--quantize` leaves every other style's weights in the model dtype."""
 
     def shards(self, module: nn.Module, ctx: RankContext) -> dict[str, TensorShard]:
         """Parameter name -> the rank's part of it; a parameter left out is replicated."""
@@ -131,6 +133,8 @@ class Style(Protocol):
 
 class _ColumnParallel:
     """Output features split across ranks, `out_ranges` saying which; the output stays sharded (no comms)."""
+
+    quantizable: ClassVar[bool] = True  # builds a ColwiseLinear, which runs a quantized weight too
 
     def out_ranges(self, out_features: int, ctx: RankContext) -> list[Range]:
         raise NotImplementedError
@@ -215,6 +219,7 @@ class Rowwise:
     """Input features split across ranks; partial outputs are all-reduced and the bias added once after."""
 
     split: Literal["even", "q_heads"] = "even"
+    quantizable: ClassVar[bool] = True  # builds a RowwiseLinear, which runs a quantized weight too
 
     def in_range(self, in_features: int, ctx: RankContext) -> Range:
         if self.split == "even":
