@@ -51,7 +51,8 @@ def bench_chart() -> None:
     by = {(r["tp"], r["mode"]): r for r in data["rows"]}
     tps = sorted({r["tp"] for r in data["rows"]})
     fig, axes = plt.subplots(1, 4, figsize=(17, 4.2))
-    panels = [("peak_rss_mib", "largest per-rank peak RSS (MiB)"), ("decode_ms", "decode ms/token, batch 1"),
+    panels = [("peak_rss_load_mib", "largest per-rank peak RSS, load (MiB)"),
+              ("decode_ms", "decode ms/token, batch 1"),
               ("prefill_ms", "prefill ms, 512-token prompt"), ("decode16_ms", "batch-16 decode ms/step")]
     width = 0.27
     for ax, (key, title) in zip(axes, panels, strict=True):
