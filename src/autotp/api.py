@@ -22,6 +22,7 @@ from autotp.guard import InputGuard
 from autotp.hub import load_config, resolve_model_dir
 from autotp.layout import Param, resolve
 from autotp.loader import Checkpoint
+from autotp.memory import release_freed
 from autotp.plans import Plan, plan_for
 from autotp.quant import INT4_GROUP, Quant, QuantizedWeight, check_kernel
 from autotp.quant_load import quantize_loaded, quantize_slice
@@ -97,9 +98,11 @@ def from_pretrained(model: str | os.PathLike, dtype: str | torch.dtype | None = 
     def read(param: Param, shard: TensorShard, meta: nn.Parameter) -> torch.Tensor | QuantizedWeight:
         progress.update()
         if param.quant is not None:
-            return quantize_slice(lambda rows: ckpt.row_blocks(param.key, shard, dtype, rows), param.quant,
-                                  param.local_shape(env.rank), dtype, env.device,
-                                  lambda row_max: distributed.all_reduce_max(row_max, env))
+            weight = quantize_slice(lambda rows: ckpt.row_blocks(param.key, shard, dtype, rows), param.quant,
+                                    param.local_shape(env.rank), dtype, env.device,
+                                    lambda row_max: distributed.all_reduce_max(row_max, env))
+            release_freed()  # the slice's temporaries, before the next tensor's (autotp.memory)
+            return weight
         return ckpt.read(param.key, shard, dtype if meta.is_floating_point() else None).to(env.device)
 
     parallelize(net, layout, env.rank, env.group, read)
@@ -151,7 +154,9 @@ def init_inference(model: nn.Module, mp_size: int | None = None, tensor_parallel
 
     def take(param: Param, shard: TensorShard, full: nn.Parameter) -> torch.Tensor | QuantizedWeight:
         if param.quant is not None:
-            return quantize_loaded(full.detach(), shard, param.quant, param.dtype, env.device)
+            weight = quantize_loaded(full.detach(), shard, param.quant, param.dtype, env.device)
+            release_freed()
+            return weight
         tensor = shard.take(full.detach())
         if dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(dtype)

@@ -270,9 +270,12 @@ class Checkpoint:
 
         safetensors' slices view its memory map, and every page they touch stays resident until the file
         is closed. So the shard is read in blocks of at most `block_bytes` of the file (or `rows` rows), the
-        file opened and closed per block, and each block copied (and converted to `dtype` if floating) into
-        a tensor of our own: the transient is one block, not one whole tensor (a replicated 8192 x 6144 bf16
-        wpe is 96 MiB; one Mixtral-8x7B expert's w1 is 224 MiB). A block is consecutive indices of one
+        file opened and closed per block: the resident transient is one block, not one whole tensor (a
+        replicated 8192 x 6144 bf16 wpe is 96 MiB; one Mixtral-8x7B expert's w1 is 224 MiB). A block is a
+        view of the mapping (a copy only when converted to `dtype`), valid until the next block is asked
+        for: the caller copies what it keeps. Copying every block into a tensor of its own first cost 1 GiB
+        of RSS that stayed after loading the starcoderbase-1b shape at tp 1 (freed 8 MiB blocks fragment
+        malloc's heap for the weights allocated after them). A block is consecutive indices of one
         "block dim" k with every later dim whole (within the shard); dims before k are taken one index at a
         time. k is the outermost dim whose rows fit `block_bytes`, but never the last one (a 2-D tensor is
         read in whole rows, a 3-D expert tensor whole when it fits, else expert by expert in row blocks).
@@ -285,7 +288,9 @@ class Checkpoint:
             raise AutotpError(f"cannot slice {key} {shape} along dim {shard.dim}")
         if not shape:
             with safe_open(entry.file, framework="pt") as f:
-                yield (), self._own(f.get_tensor(key), target)
+                tensor = f.get_tensor(key)
+                self.bytes_read += tensor.element_size()
+                yield (), tensor.to(target)
             return
         spans = [[(0, n)] for n in shape]  # per dim: the global ranges read, in order
         if shard.dim is not None:
@@ -304,11 +309,14 @@ class Checkpoint:
             for a, b in spans[k]:
                 for r0 in range(a, b, rows):
                     r1 = min(r0 + rows, b)
+                    where = tuple(slice(i, i + 1) for _, i in index) + (slice(local, local + r1 - r0),)
                     with safe_open(entry.file, framework="pt") as f:
                         source = f.get_slice(key)
-                        parts = [self._own(source[self._index(fixed, r0, r1, shard.dim, c)], target) for c in later]
-                    where = tuple(slice(i, i + 1) for _, i in index) + (slice(local, local + r1 - r0),)
-                    yield where, parts[0] if len(parts) == 1 else torch.cat(parts, dim=shard.dim)
+                        parts = [source[self._index(fixed, r0, r1, shard.dim, c)] for c in later]
+                        self.bytes_read += sum(p.numel() * p.element_size() for p in parts)
+                        block = parts[0] if len(parts) == 1 else torch.cat(parts, dim=shard.dim)
+                        yield where, block if block.dtype == target else block.to(target)
+                    del source, parts, block
                     local += r1 - r0
 
     @staticmethod
@@ -318,8 +326,3 @@ class Checkpoint:
         if columns is not None:
             index += [slice(None)] * (dim - len(index)) + [slice(*columns)]
         return tuple(index)
-
-    def _own(self, part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """A copy of a view into the file mapping, in `dtype`; counts the bytes read."""
-        self.bytes_read += part.numel() * part.element_size()
-        return torch.empty(part.shape, dtype=dtype).copy_(part)
