@@ -145,6 +145,14 @@ def test_int4_refuses_a_tp_that_splits_a_group():
         resolve(skeleton(cfg, torch.float32, buffers=False), plan_for(cfg), 2, quant=Quant.parse("int4", 128))
 
 
+def test_int4_names_the_group_sizes_that_fit():
+    """The demo model's 288 features take groups of 32 only: the error says so, whatever the tp."""
+    cfg = config("bigcode_mqa")
+    with pytest.raises(AutotpError, match=r"in groups of 256 input features, but it has 128: use --group-size 32 or "
+                                          r"64 or 128, or --quantize int8"):
+        resolve(skeleton(cfg, torch.float32, buffers=False), plan_for(cfg), 1, quant=Quant.parse("int4", 256))
+
+
 @pytest.mark.parametrize("call, message", [
     (lambda: Quant.parse("int3"), "unknown quantization 'int3': choose one of int8, int4"),
     (lambda: Quant.parse("int4", 96), "int4 group size 96 is not one torch's int4 kernel takes: 32, 64, 128, 256"),

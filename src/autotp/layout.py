@@ -28,7 +28,7 @@ from autotp.errors import AutotpError
 from autotp.loader import Checkpoint, ExpertKeys
 from autotp.partition import HeadShard
 from autotp.plans import Plan
-from autotp.quant import Quant, kernel_fits
+from autotp.quant import INT4_GROUPS, Quant, kernel_fits
 from autotp.quant_load import QuantTarget
 from autotp.styles import REPLICATED, Geometry, RankContext, Rowwise, Style, TensorShard
 
@@ -123,12 +123,18 @@ def _check_quantizable(param: Param, tp: int, device_type: str) -> None:
     target = param.quant
     kind, group = target.quant.kind, target.quant.group_size
     in_dim = 0 if target.conv1d else 1
+    inputs = param.shape[in_dim]
+    if kind == "int4" and inputs % group:
+        fitting = [g for g in INT4_GROUPS if inputs % g == 0]
+        raise AutotpError(f"int4 quantizes {param.name} in groups of {group} input features, but it has {inputs}: "
+                          + (f"use --group-size {' or '.join(map(str, fitting))}" if fitting else "no int4 group "
+                             "size divides it") + ", or --quantize int8")
     for rank, shard in enumerate(param.shards):
         local = param.local_shape(rank)
         if kind == "int4":
-            cols = shard.ranges if shard.dim == in_dim else [(0, param.shape[in_dim])]
+            cols = shard.ranges if shard.dim == in_dim else [(0, inputs)]
             if any(a % group or b % group for a, b in cols):
-                a, b = cols[0]
+                a, b = next((a, b) for a, b in cols if a % group or b % group)
                 raise AutotpError(f"int4 quantizes {param.name} in groups of {group} input features, but at tp {tp} "
                                   f"rank {rank} holds inputs {a}:{b} of {param.shape[in_dim]}, which splits a group: "
                                   f"choose a tp whose split keeps whole groups, or --quantize int8")
