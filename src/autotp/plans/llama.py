@@ -9,7 +9,7 @@ the MLP, listed per family below: gated gate_proj/up_proj -> down_proj, or StarC
 
 from autotp.plans.common import llama_heads, separate_qkvo
 from autotp.plans.plan import Plan
-from autotp.styles import Colwise, Rowwise, Vocab, VocabHead
+from autotp.styles import Colwise, Rowwise, Style, Vocab, VocabHead
 
 GATED = {"mlp.gate_proj": Colwise(), "mlp.up_proj": Colwise(), "mlp.down_proj": Rowwise()}
 FC = {"mlp.c_fc": Colwise(), "mlp.c_proj": Rowwise()}
@@ -26,8 +26,14 @@ FAMILIES = {
 }
 
 def plan(config) -> Plan:
+    return decoder_plan(config, FAMILIES[config.model_type])
+
+
+def decoder_plan(config, mlp: dict[str, Style], **fields) -> Plan:
+    """The plan of a Llama-layout decoder whose per-layer MLP modules (paths under the layer) get `mlp`'s
+    styles; `fields` are further Plan fields (the MoE families' checkpoint names and fused sources)."""
     heads, kv_heads, head_dim = llama_heads(config)
-    layer = separate_qkvo("self_attn") | FAMILIES[config.model_type]
+    layer = separate_qkvo("self_attn") | mlp
     return Plan(
         family=config.model_type,
         num_heads=heads,
@@ -37,4 +43,5 @@ def plan(config) -> Plan:
         | {"lm_head": VocabHead()},
         attention="model.layers.*.self_attn",
         attention_attrs={"num_key_value_groups": "q_per_kv"},
+        **fields,
     )

@@ -22,10 +22,9 @@ nothing is summed twice and there are no biases to add once. Layers listed in `m
 the `decoder_sparse_step`, have a dense MLP at `mlp.{gate,up,down}_proj`.
 """
 
-from autotp.plans.common import llama_heads, separate_qkvo
-from autotp.plans.llama import GATED
+from autotp.plans.llama import GATED, decoder_plan
 from autotp.plans.plan import FusedSource, Plan
-from autotp.styles import Colwise, FusedExperts, Rowwise, Vocab, VocabHead
+from autotp.styles import Colwise, FusedExperts, Rowwise
 
 FAMILIES = ("mixtral", "qwen2_moe")
 
@@ -55,23 +54,11 @@ def _per_expert(config) -> tuple[dict[str, FusedSource], dict[str, str]]:
 
 
 def plan(config) -> Plan:
-    heads, kv_heads, head_dim = llama_heads(config)
-    layer = separate_qkvo("self_attn") | {"mlp.experts": FusedExperts()}
+    mlp = {"mlp.experts": FusedExperts()}
     if config.model_type == "qwen2_moe":
-        layer |= {"mlp.shared_expert.gate_proj": Colwise(), "mlp.shared_expert.up_proj": Colwise(),
-                  "mlp.shared_expert.down_proj": Rowwise()}
+        mlp |= {"mlp.shared_expert.gate_proj": Colwise(), "mlp.shared_expert.up_proj": Colwise(),
+                "mlp.shared_expert.down_proj": Rowwise()}
     if _has_dense_layers(config):
-        layer |= GATED
+        mlp |= GATED
     sources, router = _per_expert(config)
-    return Plan(
-        family=config.model_type,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        layers={"model.embed_tokens": Vocab()} | {f"model.layers.*.{k}": s for k, s in layer.items()}
-        | {"lm_head": VocabHead()},
-        attention="model.layers.*.self_attn",
-        attention_attrs={"num_key_value_groups": "q_per_kv"},
-        checkpoint_names=router,
-        fused_sources=sources,
-    )
+    return decoder_plan(config, mlp, checkpoint_names=router, fused_sources=sources)
