@@ -129,3 +129,16 @@ def quant_rank_outputs(model_dir: str, quantize: str, group_size: int) -> dict:
     state = {k: v.clone() for k, v in model.state_dict().items() if k.endswith((".qweight", ".scales"))}
     return {"state": state, "logits": logits, "greedy": generate(model, ids, max_new_tokens=16).tolist(),
             "bytes": model.autotp.param_bytes}
+
+
+def downloader_without_local_rank() -> bool:
+    """Whether this rank would download a hub id for its node when the launcher set no LOCAL_RANK."""
+    import os
+
+    from autotp.hub import _downloads_for_this_node
+
+    saved = os.environ.pop("LOCAL_RANK")
+    try:
+        return _downloads_for_this_node()
+    finally:
+        os.environ["LOCAL_RANK"] = saved

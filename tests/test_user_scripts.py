@@ -16,7 +16,7 @@ import pytest
 import torch
 from pool import RankError, free_port
 from standin_hub import StandinHub
-from tasks import user_generate, user_pipeline
+from tasks import downloader_without_local_rank, user_generate, user_pipeline
 
 import autotp
 from autotp.cli import default_model
@@ -130,6 +130,11 @@ def test_own_process_group_and_a_hub_id_in_a_user_script(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     tokens = rank_outputs(tmp_path, 2)
     assert tokens[0] == tokens[1] and len(tokens[0][0]) == 4 + 16
+
+
+def test_without_local_rank_one_rank_per_host_downloads(pools):
+    """A script's own mp.spawn sets no LOCAL_RANK: the lowest rank on the host downloads, not every rank."""
+    assert pools(2).run(downloader_without_local_rank) == [True, False]
 
 
 def test_a_hub_id_that_does_not_exist_is_one_error(tmp_path):

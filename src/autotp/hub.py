@@ -42,10 +42,19 @@ def resolve_model_dir(model: str | os.PathLike, patterns: list[str] = WEIGHT_FIL
         return _snapshot(str(model), patterns)
     digest = hashlib.sha1(repr(sorted(patterns)).encode()).hexdigest()[:8]
     key = f"autotp/hub/{socket.gethostname()}/{model}/{digest}"
-    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+    if _downloads_for_this_node():
         return _download(store, key, str(model), patterns)
     _wait(store, key, str(model))
     return _snapshot(str(model), patterns, local_files_only=True)
+
+
+def _downloads_for_this_node() -> bool:
+    """LOCAL_RANK 0; without LOCAL_RANK (a script's own mp.spawn), the lowest rank on this host."""
+    if "LOCAL_RANK" in os.environ:
+        return int(os.environ["LOCAL_RANK"]) == 0
+    hosts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())
+    return hosts.index(socket.gethostname()) == dist.get_rank()
 
 
 def _snapshot(repo_id: str, patterns: list[str], local_files_only: bool = False) -> Path:

@@ -71,6 +71,7 @@ def build_app(served: Served, engine: Engine, max_body_bytes: int, allowed_hosts
     # one thread: requests are parsed in arrival order, and HF fast tokenizers are not meant for
     # concurrent calls ("Already borrowed"); the engine's decoding on its own thread only reads
     parser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="autotp-parse")
+    app.state.parser = parser  # shut down with the server (HttpThread.stop)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -198,6 +199,7 @@ class HttpThread:
             time.sleep(0.05)
 
     def stop(self) -> None:
-        """Finish open responses (up to uvicorn's graceful timeout), then close."""
+        """Finish open responses (up to uvicorn's graceful timeout), then close, parser thread included."""
         self.server.should_exit = True
         self.thread.join(timeout=10)
+        self.server.config.app.state.parser.shutdown(wait=False, cancel_futures=True)
