@@ -128,7 +128,7 @@ def _finish(model: nn.Module, env: distributed.Dist, check_inputs: bool) -> None
     unseeded sampling agrees), and the guard against ranks that feed different inputs anyway."""
     distributed.sync_random_state(env)
     if check_inputs and env.group is not None:
-        model.register_forward_pre_hook(InputGuard(env.group, env.device), with_kwargs=True)
+        model.register_forward_pre_hook(InputGuard(env.group, distributed.wire_device(env)), with_kwargs=True)
 
 
 def init_inference(model: nn.Module, mp_size: int | None = None, tensor_parallel=None,

@@ -32,7 +32,7 @@ class InputGuard:
     """A forward pre-hook for the top-level model: raises on every rank when ranks' input ids differ."""
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device):
-        self.group, self.device = group, device
+        self.group, self.device = group, device  # where the fingerprint travels: distributed.wire_device
         self.calls = 0  # forward calls so far, to name the step that diverged
 
     def __call__(self, module, args, kwargs) -> None:
