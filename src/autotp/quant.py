@@ -99,14 +99,6 @@ def pack_int4(q: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch._convert_weight_to_int4pack(pairs, 8)
 
 
-def dequantize_int4(q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
-    """The inverse map, in float32: (rows, in) ~= w (used by tests and references, not by the forward)."""
-    rows, inp = q.shape
-    sz = scales_and_zeros.float().transpose(0, 1)  # (rows, groups, 2)
-    groups = q.float().reshape(rows, inp // group_size, group_size)
-    return ((groups - 8) * sz[..., :1] + sz[..., 1:]).reshape(rows, inp)
-
-
 def kernel_fits(kind: str, out_features: int, in_features: int, group_size: int, dtype: torch.dtype,
                 device_type: str = "cpu") -> str | None:
     """Why the device's kernel cannot take this weight shape (None when it can). On CPU, found by probing
