@@ -48,7 +48,7 @@ class Server:
     def __init__(self, model_dir: str, log: Path, *args: str, api_key: str = "unused"):
         self.model_id, self.log, self.api_key = Path(model_dir).name, log, api_key
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-               str(free_port()), "-m", "autotp", "serve", "--model", model_dir, "--port", "0", "--max-batch-size", "8",
+               str(free_port()), "-m", "autotp", "serve", "--model", model_dir, "--port", "0", "--max-num-seqs", "8",
                *args]
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=ENV, start_new_session=True)

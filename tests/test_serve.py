@@ -22,8 +22,7 @@ import pytest
 from pool import free_port
 from serve_harness import ENV, Server, alive
 
-from autotp.serve.batch import cut_at_stop
-from autotp.serve.engine import TextStream
+from autotp.serve.text import TextStream, cut_at_stop
 
 
 @pytest.fixture(scope="module")
@@ -192,23 +191,31 @@ def test_a_body_over_the_default_limit_is_413_before_it_is_read(server):
 
 
 def test_a_row_whose_scores_are_not_finite_fails_alone(model_dir):
-    """Decided from the gathered scores, so the same on every rank; its batch-mates are unaffected."""
+    """Decided from the gathered scores, so the same on every rank; the rows beside it are unaffected."""
     import torch
+    from engine_driver import drive, engine_for, job
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from autotp.serve.batch import run_batch
-    from autotp.serve.types import Row
-
     model, tok = AutoModelForCausalLM.from_pretrained(model_dir).eval(), AutoTokenizer.from_pretrained(model_dir)
-    rows = [Row(tuple(tok("def f(x):").input_ids), 6, t, 1.0, 5) for t in (0.0, 1.0, 1.0)]
-    clean = run_batch(model, tok, rows)
-    hook = model.lm_head.register_forward_hook(lambda m, i, out: out.index_fill(0, torch.tensor([2]), float("nan")))
-    try:
-        poisoned = run_batch(model, tok, rows)
-    finally:
-        hook.remove()
+    ids = tok("def f(x):").input_ids
+
+    def run(poison: bool) -> list:
+        jobs = [job(ids, 6, t, seed=5, index=i) for i, t in enumerate((0.0, 1.0, 1.0))]
+        # the third row of a 3-row forward: its scores become NaN
+        hook = model.lm_head.register_forward_hook(
+            lambda m, i, out: out.index_fill(0, torch.tensor([2]), float("nan")) if out.shape[0] == 3 else out)
+        if not poison:
+            hook.remove()
+        try:
+            drive(engine_for(model, tok), {0: jobs})
+        finally:
+            hook.remove()
+        return [j.emit.ended for j in jobs]
+
+    clean = run(False)
+    poisoned = run(True)
     assert poisoned[:2] == clean[:2]
-    assert poisoned[2].finish_reason == "error" and "not finite" in poisoned[2].error
+    assert poisoned[2][0] == "error" and poisoned[2][2][0] == 500 and "not finite" in poisoned[2][2][1]
 
 
 def test_seeds_at_the_ends_of_the_range_are_accepted(server):

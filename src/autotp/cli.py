@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -17,7 +18,9 @@ from autotp.errors import AutotpError
 
 DTYPE_CHOICES = ["float32", "bfloat16", "float16"]
 QUANTIZE_CHOICES = ["int8", "int4"]  # autotp.quant.KINDS, without importing torch for the flags
-DEMO_ID = "autotp-demo"  # the name `autotp serve` gives the embedded demo model
+DEMO_ID = "autotp-demo"
+SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "kib": 2**10, "mb": 10**6, "mib": 2**20, "gb": 10**9, "gib": 2**30,
+              "tb": 10**12, "tib": 2**40}  # the name `autotp serve` gives the embedded demo model
 
 
 def default_model() -> str:
@@ -127,7 +130,8 @@ def cmd_generate(args) -> int:
         distributed.print0(args.prompt, end="")
     do_sample = args.do_sample and sampling.temperature > 0  # below sampling.GREEDY_BELOW: greedy, as served
     out = generate(model, ids, max_new_tokens=args.max_new_tokens, do_sample=do_sample,
-                   temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, num_beams=args.num_beams,
+                   temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                   num_beams=args.num_beams,
                    seed=args.seed, tokenizer=tokenizer, stream=not args.json and tokenizer is not None)
     new = out[0, ids.shape[-1]:]
     if args.json:
@@ -151,12 +155,26 @@ class Parser(argparse.ArgumentParser):
 
 def cmd_serve(args) -> int:
     from autotp.serve import serve
+    from autotp.serve.server import ServeOptions
 
-    return serve(args.model or default_model(), model_id=args.model or DEMO_ID, host=args.host, port=args.port,
-                 max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, dtype=args.dtype,
-                 quantize=args.quantize, group_size=args.group_size, device=args.device,
-                 max_body_bytes=args.max_body_bytes, read_timeout=args.read_timeout,
-                 allowed_hosts=args.allowed_hosts, api_key=args.api_key or os.environ.get("AUTOTP_API_KEY"))
+    opts = ServeOptions(host=args.host, port=args.port, max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
+                        max_queue=args.max_queue, max_model_len=args.max_model_len, dtype=args.dtype,
+                        device=args.device, quantize=args.quantize, group_size=args.group_size,
+                        max_body_bytes=args.max_body_bytes, read_timeout=args.read_timeout,
+                        allowed_hosts=args.allowed_hosts, api_key=args.api_key or os.environ.get("AUTOTP_API_KEY"))
+    return serve(args.model or default_model(), model_id=args.model or DEMO_ID, opts=opts)
+
+
+def byte_size(text: str) -> int:
+    """"2GiB", "512MiB", "1.5GB", "4096" -> bytes."""
+    found = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not found or found.group(2).lower() not in SIZE_UNITS:
+        raise argparse.ArgumentTypeError(f"expected a size such as 4GiB, 512MiB or a number of bytes, got {text!r}")
+    value = int(float(found.group(1)) * SIZE_UNITS[found.group(2).lower()])
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
+    return value
 
 
 def add_quantize_flags(parser: argparse.ArgumentParser) -> None:
@@ -188,7 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     gen.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
-    gen.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens")
+    gen.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0: off, "
+                                                         "as in the server)")
     gen.add_argument("--num-beams", type=positive_int, default=1, help="beam search width")
     gen.add_argument("--seed", type=int, help="sampling seed (default: drawn on rank 0, shared)")
     gen.add_argument("--dtype", choices=DTYPE_CHOICES, help="weights dtype (default: as stored)")
@@ -205,7 +224,16 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     srv.add_argument("--port", type=port_number, default=8000, help="port to listen on; 0 picks a free one "
                                                                     "(default 8000)")
-    srv.add_argument("--max-batch-size", type=positive_int, default=16, help="prompts per batch (default 16)")
+    srv.add_argument("--max-num-seqs", "--max-batch-size", type=positive_int, default=16,
+                     help="sequences decoding or prefilling at once (default 16)")
+    srv.add_argument("--max-num-batched-tokens", type=positive_int, default=2048,
+                     help="tokens per step: one per decoding sequence plus the prefill chunk (default 2048)")
+    srv.add_argument("--kv-cache-memory", type=byte_size,
+                     help="KV cache per rank, e.g. 4GiB (default: 90%% of the GPU memory free after loading, "
+                          "or half the host's available memory shared by its ranks; at most what --max-num-seqs "
+                          "full-context sequences need)")
+    srv.add_argument("--max-queue", type=positive_int, default=256,
+                     help="prompts waiting for room; past it requests get 429 (default 256)")
     srv.add_argument("--max-model-len", type=positive_int, help="prompt + completion tokens per request "
                                                                 "(default: the model's context)")
     srv.add_argument("--dtype", choices=DTYPE_CHOICES, help="weights dtype (default: as stored)")

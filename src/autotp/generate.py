@@ -11,9 +11,10 @@ import random
 
 import torch
 import torch.distributed as dist
-from transformers import TextStreamer
+from transformers import LogitsProcessorList, TextStreamer
 
 from autotp.errors import AutotpError
+from autotp.sampler import SamplerProcessor, SamplingParams
 
 
 def pad_token_id(generation_config) -> int:
@@ -66,19 +67,26 @@ def shared_seed(seed: int | None) -> int:
 
 
 def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int, do_sample: bool = False,
-             temperature: float = 1.0, top_p: float = 1.0, top_k: int = 50, num_beams: int = 1,
+             temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, num_beams: int = 1,
              seed: int | None = None, tokenizer=None, stream: bool = False) -> torch.Tensor:
-    """prompt ids (batch, prompt_len) -> (batch, prompt_len + new) on every rank; streams on rank 0."""
+    """prompt ids (batch, prompt_len) -> (batch, prompt_len + new) on every rank; streams on rank 0.
+
+    Sampling draws through autotp.sampler, the server's sampler: each row with its own generator seeded
+    with `seed` (drawn on rank 0 and shared when None), so the same prompt, parameters and seed give the
+    text `autotp serve` gives. HF's own sampling defaults in the model's generation_config do not apply."""
     check_length(model.config, input_ids.shape[-1], max_new_tokens)
     check_ids(model.config, input_ids)
-    torch.manual_seed(shared_seed(seed))
+    seed = shared_seed(seed)
+    torch.manual_seed(seed)  # beam search and anything else in HF that draws
     rank = dist.get_rank() if dist.is_initialized() else 0
     streamer = (TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
                 if stream and tokenizer is not None and rank == 0 else None)
-    kwargs = dict(do_sample=do_sample, num_beams=num_beams, max_new_tokens=max_new_tokens, streamer=streamer)
-    if do_sample:
-        kwargs.update(temperature=temperature, top_p=top_p, top_k=top_k)
+    processors = LogitsProcessorList()
+    if do_sample:  # HF runs greedy over the sampler's one-hot scores
+        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        processors.append(SamplerProcessor(params, input_ids.shape[0], model.device))
     pad = pad_token_id(model.generation_config)
     with torch.inference_mode():
         return model.generate(input_ids.to(model.device), attention_mask=torch.ones_like(input_ids).to(model.device),
-                              pad_token_id=pad, **kwargs)
+                              pad_token_id=pad, do_sample=False, num_beams=num_beams, max_new_tokens=max_new_tokens,
+                              logits_processor=processors, streamer=streamer)

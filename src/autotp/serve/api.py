@@ -34,10 +34,11 @@ def clip(text: str, limit: int = ECHO_CHARS) -> str:
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error"):
+                 type: str = "invalid_request_error", headers: dict[str, str] | None = None):
         message, param = clip(message, 2 * ECHO_CHARS), None if param is None else clip(param)
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -60,6 +61,7 @@ class CompletionBody(BaseModel):
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
+    top_k: int | None = None  # vLLM's extension: 0 or -1 is off
     n: int | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
@@ -76,12 +78,14 @@ class CompletionBody(BaseModel):
 
 @dataclass(frozen=True)
 class Served:
-    """What the boundary checks against: the model's name, its tokenizer and the context it may use."""
+    """What the boundary checks against: the model's name, its tokenizer, the context it may use and the
+    KV cache slots per rank (a row that needs more could never be admitted)."""
 
     model_id: str
     tokenizer: object
     max_model_len: int
     created: int
+    kv_tokens: int
 
     @cached_property
     def max_prompt_chars(self) -> int:
@@ -179,6 +183,10 @@ def _prompt_ids(served: Served, prompt: str, suffix: str | None, max_tokens: int
         raise _invalid(param, "the prompt is empty")
     if len(ids) + max_tokens > served.max_model_len:
         raise _too_long(served, str(len(ids)), max_tokens, param)
+    if len(ids) + max_tokens > served.kv_tokens:
+        raise ApiError(400, f"prompt of {len(ids)} tokens + max_tokens {max_tokens} can never fit the KV cache of "
+                            f"{served.kv_tokens} tokens per rank (--kv-cache-memory)", param=param,
+                       code="context_length_exceeded")
     return ids
 
 
@@ -192,6 +200,7 @@ def parse_completion(raw: bytes, served: Served) -> Completion:
     try:
         sampling = check_sampling(temperature=1.0 if body.temperature is None else body.temperature,
                                   top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed,
+                                  top_k=0 if body.top_k in (None, -1) else body.top_k,
                                   max_tokens=16 if body.max_tokens is None else body.max_tokens)  # OpenAI's
     except SamplingError as e:
         raise _invalid(e.param, str(e)) from None
@@ -205,7 +214,7 @@ def parse_completion(raw: bytes, served: Served) -> Completion:
         raise _invalid("prompt", "the prompt list is empty")
     seed = random.SystemRandom().randrange(2**31) if sampling.seed is None else sampling.seed
     rows = [Row(_prompt_ids(served, p, body.suffix, max_tokens, "prompt"), max_tokens, sampling.temperature,
-                sampling.top_p, seed, stop) for p in prompts]
+                sampling.top_p, seed, stop, sampling.top_k) for p in prompts]
     stream = bool(body.stream)
     if body.stream_options is not None and not stream:
         raise _invalid("stream_options", "stream_options is only allowed with stream=true")

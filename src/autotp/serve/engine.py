@@ -1,97 +1,48 @@
-"""The rank-lockstep scheduler behind `autotp serve`.
+"""Continuous batching in rank lockstep: rank 0's `Engine` decides every step, the other ranks `follow`.
 
-Rank 0's main thread runs `Engine.run`: it takes waiting jobs (from the HTTP thread) into a batch,
-broadcasts a command on a gloo control group, runs the batch itself and hands each job its text. The
-other ranks run `follow`: receive a command, run the same batch, repeat. Commands are
+Each step rank 0 (the main thread of `autotp serve`):
+1. takes new jobs from the HTTP thread into the waiting queue (bounded: past `max_queue`, `submit` says
+   "full" and the client gets 429);
+2. plans the step (scheduler.py): rows that leave (finished, failed, cancelled by a client that went
+   away), the running rows' next tokens, a new prefill group when there is room, the prefill chunk;
+3. sends it (wire.py: one broadcast) and runs it on its own `Batch` as every rank does (state.py);
+4. samples the rows whose logits came back (sampler.py, each row with its own seeded generator),
+   streams their text, and marks the rows that finished, which leave at the next step.
 
-    ("generate", [Row, ...])   every rank runs batch.run_batch on these rows
-    ("idle",)                  sent every HEARTBEAT_S with no work, so a dead rank shows within seconds
-    ("stop",)                  every rank returns
-
-Because only rank 0 decides and every rank executes the same command list, ranks cannot drift apart.
-After each batch the ranks gather each other's outcome (ok, or the error it raised). The same error on
-every rank is a deterministic failure of the batch's input (every rank ran the same rows on the same
-logits): its jobs get 500 and the server goes on. A failed collective, a dead rank or ranks that
-disagree are not recoverable: the engine answers every job 503 and returns 1. During a batch, rank 0
-broadcasts one flag per row and step saying which clients went away (see `Control.flags`). Nothing here
-knows HTTP; jobs carry an `emit` callback.
+So a request never waits for another one to finish: it joins at the next step that has room, and its
+first token comes out of its own prefill. The ranks never decide anything: they apply rank 0's steps.
+A forward that raises on every rank alike (the same error text) fails the rows it ran with 500 and the
+server goes on; any disagreement, a failed collective or a dead rank ends lockstep: rank 0 answers
+every job 503 and returns 1. Nothing here knows HTTP; jobs carry an `emit` callback.
 """
 
 from __future__ import annotations
 
+import copy
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
-from datetime import timedelta
-from functools import partial
+from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
-from autotp.serve.batch import cut_at_stop, decode, run_batch
-from autotp.serve.types import Outcome, Result, Row, log
+from autotp.generate import pad_token_id
+from autotp.sampler import RowSampler, SampleError, SamplingParams
+from autotp.serve.scheduler import Limits, Need, admit, chunk_size
+from autotp.serve.state import Batch, Logits
+from autotp.serve.text import TextStream, cut_at_stop, decode
+from autotp.serve.types import Result, Row, log
+from autotp.serve.wire import Channel, Step
 
-HEARTBEAT_S = 0.5
-CONTROL_TIMEOUT_S = 60  # no broadcast waits longer than a heartbeat plus one batch's finishing step
+HEARTBEAT_S = 0.5  # an idle rank 0 sends an empty step this often, so a dead rank shows within seconds
 GRACE_S = 5  # a signalled worker waits this long for rank 0's "stop" before leaving on its own
 
 
-class Control:
-    """Command broadcast from rank 0 over a gloo group of its own (NCCL runs keep NCCL for the model)."""
-
-    def __init__(self):
-        self.group = None
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=CONTROL_TIMEOUT_S))
-
-    def share(self, value):
-        """rank 0's value on every rank."""
-        if self.group is None:
-            return value
-        box = [value]
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0]
-
-    def gather(self, value) -> list:
-        """Every rank's value, on every rank."""
-        if self.group is None:
-            return [value]
-        out = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(out, value, group=self.group)
-        return out
-
-    def flags(self, flags: list[bool]) -> list[bool]:
-        """rank 0's per-row flags on every rank, called once per generated token by every rank.
-
-        This is how a disconnected client's row stops in lockstep: only rank 0 knows which clients left,
-        and every rank must end the row in the same step. One broadcast of a few bytes per step on the
-        gloo group (tens of microseconds on one host) is cheaper than any scheme that lets ranks drift
-        and reconcile, and it needs no second decision rule."""
-        if self.group is None:
-            return flags
-        box = torch.tensor(flags, dtype=torch.uint8)
-        dist.broadcast(box, src=0, group=self.group)
-        return box.bool().tolist()
-
-
-def run_agreed(control: Control, work: Callable[[], list[Outcome]]) -> tuple[list[Outcome] | None, str]:
-    """Run one batch on this rank and agree with the others on its fate: (outcomes, "") or (None, error).
-
-    Raises when the ranks can no longer run in lockstep: a collective failed (DistError) or the ranks
-    disagree (one failed where another did not, so they left `generate` at different steps)."""
-    outcomes, error = None, ""
-    try:
-        outcomes = work()
-    except dist.DistError:
-        raise
-    except Exception as e:  # noqa: BLE001 - decided below: the same on every rank is this batch's failure
-        error = f"{type(e).__name__}: {e}".splitlines()[0][:200]
-    errors = control.gather(error)
-    if len(set(errors)) > 1:
-        raise RuntimeError(f"the ranks disagree on a batch: {errors}")
-    return outcomes, error
+def describe(e: BaseException) -> str:
+    """An exception as one line, the same on every rank for the same failure."""
+    return f"{type(e).__name__}: {e}".splitlines()[0][:200]
 
 
 class StopFlag:
@@ -111,26 +62,6 @@ class StopFlag:
         return 0.0 if self.at is None else time.monotonic() - self.at
 
 
-class TextStream:
-    """Streamed text of one job: deltas that never need taking back.
-
-    Held back: trailing U+FFFD (a multi-byte character whose bytes are not all generated yet) and the
-    last len(longest stop) - 1 characters (they may begin a stop string, which is never sent)."""
-
-    def __init__(self, stop: tuple[str, ...]):
-        self.hold = max((len(s) for s in stop), default=1) - 1
-        self.sent = ""
-
-    def delta(self, text: str, final: bool = False) -> str:
-        if not final:
-            text = text.rstrip("\ufffd")
-            text = text[:len(text) - self.hold]
-        if len(text) <= len(self.sent) or not text.startswith(self.sent):
-            return ""
-        new, self.sent = text[len(self.sent):], text
-        return new
-
-
 @dataclass
 class Job:
     """One prompt of one request, as rank 0 tracks it. emit(event) must be thread-safe; events are
@@ -147,134 +78,236 @@ class Job:
         self.emit(("error", self.index, (status, message)))
 
 
+@dataclass
+class Active:
+    """A job admitted to the batch: its sampler, the tokens generated so far, the token it feeds next."""
+
+    job: Job
+    sampler: RowSampler
+    tokens: list[int] = field(default_factory=list)
+    next: int | None = None
+    done: bool = False  # finished, failed or answered: leaves at the next step
+
+    def need(self) -> Need:
+        row = self.job.row
+        return Need(len(row.ids) + len(self.tokens), row.max_tokens - len(self.tokens))
+
+
+def eos_ids(model) -> set[int]:
+    eos = model.generation_config.eos_token_id
+    return set(eos) if isinstance(eos, list) else {eos} if eos is not None else set()
+
+
 class Engine:
     """Rank 0's scheduler: `submit` from any thread, `run` in the main thread until `stopping` is set."""
 
-    def __init__(self, model, tokenizer, control: Control, stopping: StopFlag, max_batch_size: int,
-                 max_model_len: int):
-        self.model, self.tokenizer, self.control = model, tokenizer, control
-        self.max_batch_size, self.max_model_len = max_batch_size, max_model_len
+    def __init__(self, model, tokenizer, channel: Channel, stopping: StopFlag, limits: Limits, max_queue: int):
+        self.batch = Batch(model, pad_token_id(model.generation_config))
+        # a copy of its own: the parser thread encodes with the original, and HF fast tokenizers are not
+        # meant to be used from two threads at once
+        self.tokenizer = copy.deepcopy(tokenizer)
+        self.channel, self.stopping, self.limits, self.max_queue = channel, stopping, limits, max_queue
+        self.eos = eos_ids(model)
         self.inbox: queue.Queue[Job] = queue.Queue()
-        self.waiting: list[Job] = []
+        self.waiting: deque[Job] = deque()
+        self.active: dict[int, Active] = {}
+        self.next_id = 0
+        self.queued = 0  # jobs in inbox + waiting, under `lock`
         self.lock = threading.Lock()  # makes "accepting" and "queued" one step, so no job is lost at shutdown
         self.accepting = True
-        self.stopping = stopping
+        self.error = ""  # how this rank's last step failed, sent with the next step
+        self.failed: list[tuple[Job, str]] = []  # answered 500 once the next step reached every rank
 
-    def submit(self, jobs: list[Job]) -> bool:
-        """Queue a request's jobs together; False once the engine is stopping or dead."""
+    def submit(self, jobs: list[Job]) -> str:
+        """Queue a request's jobs together: "ok", "full" (the queue holds max_queue jobs) or "closed"."""
         with self.lock:
             if not self.accepting:
-                return False
+                return "closed"
+            if self.queued + len(jobs) > self.max_queue:
+                return "full"
+            self.queued += len(jobs)
             for job in jobs:
                 self.inbox.put(job)
-        return True
+        return "ok"
+
+    def counts(self) -> tuple[int, int]:
+        """(rows running or prefilling, jobs waiting), for /health and metrics; any thread."""
+        with self.lock:
+            return len(self.active), self.queued
 
     def run(self) -> int:
-        """Schedule until stopped (0) or until the ranks can no longer run in lockstep (1)."""
-        batch: list[Job] = []
+        """Schedule until stopped and drained (0) or until the ranks can no longer run in lockstep (1)."""
         try:
-            while not self.stopping.is_set():
-                batch = self._next_batch()
-                self.control.share(("generate", [j.row for j in batch]) if batch else ("idle",))
-                if batch:
-                    self._run(batch)
-                batch = []
-            self.control.share(("stop",))
+            while not (self.stopping.is_set() and self._drained()):
+                self.step()
+            self.channel.send(Step(stop=True, error=self.error))
+            self._answer_failed()
             return 0
         except Exception as e:  # noqa: BLE001 - a rank died or a collective failed: lockstep is lost
-            reason = f"{type(e).__name__}: {e}".splitlines()[0]
-            log(f"tensor-parallel ranks failed, shutting down: {reason}")
-            for job in batch:
-                job.fail(503, "the tensor-parallel ranks failed while running this request; the server is exiting")
+            log(f"tensor-parallel ranks failed, shutting down: {describe(e)}")
+            message = "the tensor-parallel ranks failed while running this request; the server is exiting"
+            for job in [a.job for a in self.active.values() if not a.done] + [j for j, _ in self.failed]:
+                job.fail(503, message)
             return 1
         finally:
             with self.lock:
                 self.accepting = False
-            while not self.inbox.empty():
-                self.waiting.append(self.inbox.get_nowait())
+            self._intake(block=False)
             for job in self.waiting:
                 job.fail(503, "the server is shutting down")
+            self.waiting.clear()
 
-    def _fits(self, batch: list[Job]) -> bool:
-        # left padding makes every row as long as the longest prompt plus the largest budget
-        longest = max(len(j.row.ids) for j in batch)
-        return longest + max(j.row.max_tokens for j in batch) <= self.max_model_len
+    def _drained(self) -> bool:
+        """Stopping: queued jobs are answered 503 at once, admitted ones run to their end."""
+        with self.lock:
+            self.accepting = False
+        self._intake(block=False)
+        while self.waiting:
+            self._unqueue(self.waiting.popleft()).fail(503, "the server is shutting down")
+        return not self.active
 
-    def _next_batch(self) -> list[Job]:
-        """Waiting jobs in arrival order, up to max_batch_size and the context; [] after a heartbeat of none."""
-        if not self.waiting:
+    def step(self) -> None:
+        """One iteration: plan, send, run, sample. An idle one sends a heartbeat after up to HEARTBEAT_S."""
+        self._intake(block=not self.active)
+        step = self._plan()
+        self.channel.send(step)
+        self._answer_failed()
+        self.batch.apply(step)
+        for row in step.drop:
+            del self.active[row]
+        if not (step.chunk or step.tokens):
+            return
+        try:
+            logits = self.batch.run(step)
+        except Exception as e:  # noqa: BLE001 - the next step tells every rank; they must have failed alike
+            self.error = describe(e)
+            lost = set(self.active) - set(self.batch.rows())
+            log(f"a step of {len(lost)} rows failed; they get 500 and the server goes on: {self.error}")
+            for row in lost:
+                self.failed.append((self.active.pop(row).job, f"generation failed: {self.error}"))
+            return
+        self._sample(logits)
+
+    def _unqueue(self, job: Job) -> Job:
+        with self.lock:
+            self.queued -= 1
+        return job
+
+    def _intake(self, block: bool) -> None:
+        if block and not self.waiting:
             try:
                 self.waiting.append(self.inbox.get(timeout=HEARTBEAT_S))
             except queue.Empty:
-                return []
+                pass
         while not self.inbox.empty():
             self.waiting.append(self.inbox.get_nowait())
-        self.waiting = [j for j in self.waiting if not j.cancelled]  # their clients left before they started
-        if not self.waiting:
-            return []
-        size = 1  # the first job always fits alone: requests are checked against max_model_len
-        while (size < min(self.max_batch_size, len(self.waiting)) and self._fits(self.waiting[:size + 1])):
-            size += 1
-        batch, self.waiting = self.waiting[:size], self.waiting[size:]
-        return batch
+        if any(j.cancelled for j in self.waiting):  # their clients left before they started
+            for job in [j for j in self.waiting if j.cancelled]:
+                self.waiting.remove(self._unqueue(job))
 
-    def _run(self, batch: list[Job]) -> None:
-        def on_token(i: int, tokens: list[int]) -> None:
-            # runs on rank 0 only, inside the step every rank takes together: nothing may escape from here,
-            # or rank 0 would leave the step while the others wait in its collectives (a hang). A delta that
-            # fails to decode (e.g. the tokenizer busy in the parser thread) is sent with the next one.
-            job = batch[i]
-            if job.stream is None:
-                return
-            try:
-                delta = job.stream.delta(decode(self.tokenizer, tokens))
-            except Exception as e:  # noqa: BLE001 - see above
-                log(f"{job.request} prompt {job.index}: a streamed delta is deferred: {type(e).__name__}: {e}")
-                return
-            if delta:
-                job.emit(("text", job.index, delta))
+    def _answer_failed(self) -> None:
+        for job, message in self.failed:
+            job.fail(500, message)
+        self.failed.clear()
 
-        outcomes, error = run_agreed(self.control, lambda: run_batch(
-            self.model, self.tokenizer, [j.row for j in batch], on_token,
-            lambda: self.control.flags([j.cancelled for j in batch])))
-        if outcomes is None:
-            log(f"a batch of {len(batch)} failed on every rank; the server goes on: {error}")
-            for job in batch:
-                job.fail(500, f"generation failed: {error}")
-            return
-        for job, out in zip(batch, outcomes, strict=True):
-            if out.finish_reason == "error":
-                log(f"{job.request} prompt {job.index} failed: {out.error}")
-                job.fail(500, out.error)
-            elif out.finish_reason == "cancelled":
-                log(f"{job.request} prompt {job.index} cancelled after {len(out.tokens)} of {job.row.max_tokens} "
+    def _plan(self) -> Step:
+        for a in self.active.values():
+            if a.job.cancelled and not a.done:
+                a.done = True
+                log(f"{a.job.request} prompt {a.job.index} cancelled after {len(a.tokens)} of {a.job.row.max_tokens} "
                     f"tokens: the client went away")
-            else:
+        drop = tuple(r for r, a in self.active.items() if a.done)
+        order = self.batch.order_after(drop)
+        tokens = tuple(self.active[r].next for r in order)
+        error, self.error = self.error, ""
+        group = self.batch.prefill
+        group_rows = [r for r in group.rows if r not in drop] if group is not None and not group.complete else []
+        if group_rows:  # the prefill in progress goes on
+            left = group.ids.shape[1] - group.done
+            return Step(drop, tokens, (), chunk_size(len(group_rows), left, len(order), self.limits), error)
+        if not self.waiting or self.stopping.is_set():
+            return Step(drop, tokens, error=error)
+        head = [j for _, j in zip(range(self.limits.max_num_seqs), self.waiting, strict=False)]
+        count = admit([Need(len(j.row.ids), j.row.max_tokens) for j in head],
+                      [self.active[r].need() for r in order], self.limits)
+        admitted = []
+        for _ in range(count):
+            job = self._unqueue(self.waiting.popleft())
+            row = job.row
+            params = SamplingParams(row.temperature, row.top_p, row.top_k, row.seed)
+            self.active[self.next_id] = Active(job, RowSampler(params, self.batch.device))
+            admitted.append((self.next_id, row.ids))
+            self.next_id += 1
+        if not admitted:
+            return Step(drop, tokens, error=error)
+        width = max(len(ids) for _, ids in admitted)
+        return Step(drop, tokens, tuple(admitted), chunk_size(len(admitted), width, len(order), self.limits), error)
+
+    def _sample(self, logits: Logits) -> None:
+        for rows, scores in ((logits.prefill_rows, logits.prefill), (logits.decode_rows, logits.decode)):
+            if scores is None:
+                continue
+            finite = torch.isfinite(scores.max(dim=-1).values).tolist()
+            greedy = scores.argmax(dim=-1).tolist()  # what RowSampler.pick gives a greedy row, for all at once
+            for i, row in enumerate(rows):
+                a = self.active[row]
                 try:
-                    self._finish(job, out)
-                except Exception as e:  # noqa: BLE001 - rank 0's decoding after the batch: this request only
-                    log(f"{job.request} prompt {job.index} failed after generating: {type(e).__name__}: {e}")
-                    job.fail(500, f"decoding the completion failed: {type(e).__name__}")
+                    token = greedy[i] if finite[i] and a.sampler.generator is None else a.sampler.pick(scores[i])
+                except SampleError as e:
+                    log(f"{a.job.request} prompt {a.job.index} failed: {e}")
+                    a.done = True
+                    a.job.fail(500, str(e))
+                    continue
+                self._advance(a, token)
 
-    def _finish(self, job: Job, out: Outcome) -> None:
-        text, _ = cut_at_stop(decode(self.tokenizer, out.tokens), job.row.stop)
-        if job.stream is not None:
-            delta = job.stream.delta(text, final=True)
-            if delta:
-                job.emit(("text", job.index, delta))
-        job.emit(("done", job.index, Result(text, out.finish_reason, len(out.tokens))))
+    def _advance(self, a: Active, token: int) -> None:
+        """A row's new token: it finishes here (eos, stop string, budget) or feeds the next step."""
+        a.tokens.append(token)
+        row, job = a.job.row, a.job
+        try:
+            text = decode(self.tokenizer, a.tokens) if row.stop or job.stream else ""
+            if token in self.eos or (row.stop and cut_at_stop(text, row.stop)[1]):
+                self._finish(a, text, "stop")
+            elif len(a.tokens) >= row.max_tokens:
+                self._finish(a, text, "length")
+            else:
+                a.next = token
+                if job.stream is not None and (delta := job.stream.delta(text)):
+                    job.emit(("text", job.index, delta))
+        except Exception as e:  # noqa: BLE001 - rank 0's decoding, between steps: this request only
+            log(f"{job.request} prompt {job.index} failed after generating: {describe(e)}")
+            a.done = True
+            job.fail(500, f"decoding the completion failed: {type(e).__name__}")
+
+    def _finish(self, a: Active, text: str, reason: str) -> None:
+        job = a.job
+        if not (job.row.stop or job.stream):
+            text = decode(self.tokenizer, a.tokens)
+        text = cut_at_stop(text, job.row.stop)[0]
+        if job.stream is not None and (delta := job.stream.delta(text, final=True)):
+            job.emit(("text", job.index, delta))
+        a.done = True
+        job.emit(("done", job.index, Result(text, reason, len(a.tokens), tuple(a.tokens))))
 
 
-def follow(model, tokenizer, control: Control, stopping: StopFlag) -> int:
-    """A worker rank: run rank 0's commands until "stop". Signalled alone (rank 0 still sends work), it
-    leaves between batches after GRACE_S; rank 0 then sees the broken group and shuts down."""
+def follow(model, channel: Channel, stopping: StopFlag) -> int:
+    """A worker rank: apply and run rank 0's steps until "stop". Signalled alone (rank 0 still sends
+    work), it leaves when idle after GRACE_S; rank 0 then sees the broken group and shuts down."""
+    batch = Batch(model, pad_token_id(model.generation_config))
+    error = ""
     while True:
-        command = control.share(None)
-        if command[0] == "stop":
+        step = channel.recv()
+        if step.error != error:
+            raise RuntimeError(f"the tensor-parallel ranks disagree on the last step: rank 0 "
+                               f"{step.error or 'ran it'!r}, this rank {error or 'ran it'!r}")
+        if step.stop:
             return 0
-        if command[0] == "generate":
-            rows = command[1]
-            run_agreed(control, partial(run_batch, model, tokenizer, rows,
-                                        cancelled=partial(control.flags, [False] * len(rows))))
-        elif stopping.is_set() and stopping.age() > GRACE_S:
+        error = ""
+        batch.apply(step)
+        if step.chunk or step.tokens:
+            try:
+                batch.run(step)
+            except Exception as e:  # noqa: BLE001 - compared with rank 0's at the next step
+                error = describe(e)
+        elif stopping.is_set() and stopping.age() > GRACE_S and not step.drop and not step.admit:
             return 0

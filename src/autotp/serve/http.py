@@ -34,9 +34,12 @@ from autotp.serve.api import (
     parse_completion,
     usage_of,
 )
-from autotp.serve.engine import Engine, Job, TextStream
+from autotp.serve.engine import Engine, Job
 from autotp.serve.guard import Guard, ReadTimeoutH11, closing_response, read_body
+from autotp.serve.text import TextStream
 from autotp.serve.types import Result, log
+
+RETRY_AFTER_S = 1  # what a 429 asks a client to wait: rows leave every step, so room comes back quickly
 
 
 def _sse(data: dict) -> str:
@@ -77,7 +80,7 @@ def build_app(served: Served, engine: Engine, max_body_bytes: int, allowed_hosts
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
         if exc.status == 413:
             return closing_response(exc)
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(Exception)  # a bug of ours: still OpenAI-shaped, in one log line
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
@@ -119,7 +122,17 @@ def build_app(served: Served, engine: Engine, max_body_bytes: int, allowed_hosts
 
         jobs = [Job(row, i, emit, TextStream(row.stop) if req.stream else None, cid)
                 for i, row in enumerate(req.rows)]
-        if not engine.submit(jobs):
+        if len(jobs) > engine.max_queue:
+            _log_request(cid, 400, start, req.prompt_tokens, error="more prompts than the queue holds")
+            raise ApiError(400, f"{len(jobs)} prompts in one request exceed the queue of {engine.max_queue} "
+                                f"(--max-queue)", param="prompt")
+        admitted = engine.submit(jobs)
+        if admitted == "full":
+            _log_request(cid, 429, start, req.prompt_tokens, error="queue full")
+            raise ApiError(429, f"the server is busy: {engine.max_queue} prompts are waiting already (--max-queue); "
+                                f"retry later", type="requests", code="rate_limit_exceeded",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
+        if admitted == "closed":
             _log_request(cid, 503, start, req.prompt_tokens, error="shutting down")
             raise ApiError(503, "the server is shutting down", type="server_error")
         if req.stream:

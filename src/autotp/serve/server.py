@@ -1,9 +1,9 @@
 """`serve()`, the entry of `autotp serve`: load the model on every rank, then serve until signalled.
 
 Every rank loads its shard; rank 0 also runs the HTTP server (http.py) in a thread and the scheduler
-(engine.Engine) in its main thread, the other ranks follow rank 0's commands. SIGINT/SIGTERM on
-any rank set a flag: rank 0 stops taking requests, finishes the batch in flight, answers what is queued
-with 503 and tells every rank to stop. Everything that can be checked (port, tokenizer, context) is
+(engine.Engine) in its main thread, the other ranks follow rank 0's steps. SIGINT/SIGTERM on any
+rank set a flag: rank 0 stops taking requests, answers what is queued with 503, lets the admitted rows
+run to their end and tells every rank to stop. Everything that can be checked (port, tokenizer, context) is
 checked on every rank before the weights are read. Under torchrun every rank also stops when the
 launcher dies (even by SIGKILL, which it cannot forward), instead of serving on as an orphan.
 """
@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
@@ -25,11 +26,14 @@ from autotp.api import load_config
 from autotp.errors import AutotpError
 from autotp.generate import context_length
 from autotp.hub import resolve_model_dir
+from autotp.serve import budget
 from autotp.serve.api import Served
-from autotp.serve.engine import Control, Engine, StopFlag, follow
+from autotp.serve.engine import Engine, StopFlag, follow
 from autotp.serve.guard import host_policy
 from autotp.serve.http import HttpThread, build_app, listen
+from autotp.serve.scheduler import Limits
 from autotp.serve.types import log
+from autotp.serve.wire import Channel, Step
 from autotp.tokenizer import load_tokenizer
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -53,58 +57,95 @@ def public_name(model: str) -> str:
     return path.resolve().name if path.is_dir() else model
 
 
-def serve(model: str, model_id: str, host: str = "127.0.0.1", port: int = 8000, max_batch_size: int = 16,
-          max_model_len: int | None = None, dtype: str | None = None, device: str | None = None,
-          quantize: str | None = None, group_size: int = 128, max_body_bytes: int = 2**21,
-          read_timeout: float = 30.0, allowed_hosts: list[str] | None = None,
-          api_key: str | None = None) -> int:
+@dataclass(frozen=True)
+class ServeOptions:
+    """`autotp serve`'s settings, as the flags give them (cli.py)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 2048
+    kv_cache_memory: int | None = None  # bytes per rank; None: from the free memory (budget.py)
+    max_queue: int = 256
+    max_model_len: int | None = None
+    dtype: str | None = None
+    device: str | None = None
+    quantize: str | None = None
+    group_size: int = 128
+    max_body_bytes: int = 2**21
+    read_timeout: float = 30.0
+    allowed_hosts: list[str] | None = None
+    api_key: str | None = None
+
+
+def _limits(net, channel: Channel, env, opts: ServeOptions, max_model_len: int) -> Limits:
+    """Every rank measures its cache cost and free memory; the largest cost and smallest room decide."""
+    costs = channel.gather((budget.token_bytes(net), budget.free_bytes(env.device)))
+    per_token, free = max(c for c, _ in costs), min(f for _, f in costs)
+    tokens = budget.kv_tokens(per_token, opts.kv_cache_memory, free, opts.max_num_seqs, max_model_len)
+    budget.check_fits(tokens, per_token, opts.kv_cache_memory)
+    if env.rank == 0:
+        short = (f", less than the context of {max_model_len}: longer requests are refused"
+                 if tokens < max_model_len else "")
+        log(f"KV cache: {tokens} tokens per rank ({tokens * per_token / 2**20:.1f} MiB at {per_token} bytes per "
+            f"token){short}")
+    return Limits(opts.max_num_seqs, opts.max_num_batched_tokens, tokens)
+
+
+def serve(model: str, model_id: str, opts: ServeOptions = ServeOptions()) -> int:
     """Serve until signalled (returns 0) or until a rank fails (returns 1). port 0 picks a free port.
     model_id: the name clients use (a directory's path is shown by its name only)."""
     _stop_with_launcher()
     model_id = public_name(model_id)
-    env = distributed.init(device)
-    control = Control()
+    if opts.max_num_batched_tokens < opts.max_num_seqs:
+        raise AutotpError(f"--max-num-batched-tokens {opts.max_num_batched_tokens} is less than --max-num-seqs "
+                          f"{opts.max_num_seqs}: every running row decodes one token per step")
+    env = distributed.init(opts.device)
+    channel = Channel()
     sock, error = None, None
     if env.rank == 0:
         try:
-            sock = listen(host, port)
+            sock = listen(opts.host, opts.port)
         except OSError as e:
-            error = f"cannot listen on {host}:{port}: {e.strerror or e}"
-    error = control.share(error)
+            error = f"cannot listen on {opts.host}:{opts.port}: {e.strerror or e}"
+    error = channel.share(error)
     if error:
         raise AutotpError(error)
 
     model_dir = resolve_model_dir(model)
     limit = context_length(load_config(model_dir))
-    if max_model_len is not None and max_model_len > limit:
-        raise AutotpError(f"--max-model-len {max_model_len} exceeds the model's context of {limit} positions")
+    if opts.max_model_len is not None and opts.max_model_len > limit:
+        raise AutotpError(f"--max-model-len {opts.max_model_len} exceeds the model's context of {limit} positions")
     tokenizer = load_tokenizer(model_dir, missing="autotp serve needs a tokenizer, and none loads from {source} "
                                                   "({cause})")
-    net = autotp.from_pretrained(model_dir, dtype=dtype, device=device, quantize=quantize, group_size=group_size)
+    # the input guard's per-forward all-reduce has nothing to catch here: rank 0 sends every input itself
+    net = autotp.from_pretrained(model_dir, dtype=opts.dtype, device=opts.device, quantize=opts.quantize,
+                                 group_size=opts.group_size, check_inputs=False)
     if env.group is not None:
         # ranks finish loading at different times: wait here under the process group's long timeout
         # (AUTOTP_TIMEOUT), not in the control group's first broadcast, whose timeout is short
         dist.barrier(group=env.group)
+    max_model_len = opts.max_model_len or limit
+    limits = _limits(net, channel, env, opts, max_model_len)
 
     stopping = StopFlag()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
     if env.rank != 0:
-        return follow(net, tokenizer, control, stopping)
+        return follow(net, channel, stopping)
 
-    max_model_len = max_model_len or limit
-    engine = Engine(net, tokenizer, control, stopping, max_batch_size, max_model_len)
-    app = build_app(Served(model_id, tokenizer, max_model_len, int(time.time())), engine, max_body_bytes,
-                    host_policy(host, allowed_hosts), api_key)
-    http = HttpThread(app, sock, read_timeout)
+    engine = Engine(net, tokenizer, channel, stopping, limits, opts.max_queue)
+    served = Served(model_id, tokenizer, max_model_len, int(time.time()), limits.kv_tokens)
+    app = build_app(served, engine, opts.max_body_bytes, host_policy(opts.host, opts.allowed_hosts), opts.api_key)
+    http = HttpThread(app, sock, opts.read_timeout)
     try:
         http.start()
     except RuntimeError:
-        control.share(("stop",))
+        channel.send(Step(stop=True))
         raise
     address = sock.getsockname()
-    log(f"serving {model_id} (tp={env.world_size}, max batch {max_batch_size}, context {max_model_len}) "
-        f"on http://{host}:{address[1]}")
+    log(f"serving {model_id} (tp={env.world_size}, up to {limits.max_num_seqs} sequences and "
+        f"{limits.max_num_batched_tokens} tokens per step, context {max_model_len}) on http://{opts.host}:{address[1]}")
     code = engine.run()
     http.stop()
     log("stopped" if code == 0 else "exited after a rank failure")

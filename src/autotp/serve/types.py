@@ -1,4 +1,4 @@
-"""The plain types every part of `autotp serve` shares: a row of work, its outcome, a job's result, the log.
+"""The plain types every part of `autotp serve` shares: a row of work, a job's result, the log.
 
 A leaf: it imports nothing of autotp and no torch, so the torch-free API boundary (api.py) and the
 torch side (batch.py, engine.py) both build on it without depending on each other.
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Row:
-    """One prompt's work, as every rank receives it."""
+    """One prompt's work, as rank 0's engine receives it from the API boundary."""
 
     ids: tuple[int, ...]  # prompt token ids
     max_tokens: int
@@ -20,15 +20,7 @@ class Row:
     top_p: float
     seed: int
     stop: tuple[str, ...] = ()
-
-
-@dataclass
-class Outcome:
-    """What one rank's batch made of a row (tokens, not yet text)."""
-
-    tokens: list[int]  # generated ids, up to and including the one that ended the row
-    finish_reason: str  # "stop" (eos or a stop string), "length", "cancelled" or "error"
-    error: str = ""  # why, for "error"
+    top_k: int = 0  # 0: off
 
 
 @dataclass
@@ -38,6 +30,7 @@ class Result:
     text: str
     finish_reason: str
     completion_tokens: int
+    tokens: tuple[int, ...] = ()  # the generated ids, the one that ended the row included
 
 
 def log(message: str) -> None:

@@ -1,0 +1,61 @@
+"""The server's budgets at start-up: what one cached token costs on each rank, and how many fit.
+
+A token's cache bytes are measured, not derived from the config: every rank prefills two tokens into a
+fresh HF cache and divides its size by two, so per-rank KV heads (replicated where KV heads < tp),
+multi-query, sliding windows (counted as if full) and the dtype are all what the model really stores.
+The same forward checks that the model's cache is one `serve/kv.py` can edit.
+
+Without `--kv-cache-memory`, the cache may use a fraction of what this rank has free once the weights
+are loaded (most of a GPU's free memory; on CPU a share of the host's available memory, split between
+the ranks on the host), and never more than `max_num_seqs` full-context rows need.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from autotp.errors import AutotpError
+from autotp.serve.kv import cache_bytes, check_cache
+from autotp.serve.state import Batch
+from autotp.serve.wire import Step
+
+GPU_FRACTION = 0.9  # of the free GPU memory after loading (vLLM's default utilisation)
+CPU_FRACTION = 0.5  # of MemAvailable, shared by the host's ranks: activations and the OS need the rest
+def token_bytes(model) -> int:
+    """Cache bytes of one token of one row on this rank (a forward: every rank calls it together)."""
+    batch = Batch(model, pad=0)
+    batch.apply(Step(admit=((0, (0, 0)),)))
+    batch.run(Step(chunk=2))
+    cache = batch.prefill.batch.cache
+    check_cache(cache)
+    return -(-cache_bytes(cache) // 2)
+
+
+def free_bytes(device: torch.device) -> int:
+    """What this rank may give its cache, by the fractions above."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0] * GPU_FRACTION)
+    try:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return int(available * CPU_FRACTION / ranks_here)
+
+
+def kv_tokens(per_token: int, budget: int | None, free: int, max_num_seqs: int, max_model_len: int | None) -> int:
+    """Cache slots per rank: budget (bytes) when given, else what is free, capped by what the rows can use."""
+    if budget is not None:
+        return budget // per_token
+    tokens = free // per_token
+    return tokens if max_model_len is None else min(tokens, max_num_seqs * max_model_len)
+
+
+def check_fits(tokens: int, per_token: int, budget: int | None) -> None:
+    if tokens < 2:
+        where = f"--kv-cache-memory {budget} bytes" if budget is not None else "the memory left after loading"
+        raise AutotpError(f"{where} holds {tokens} cached tokens at {per_token} bytes each: a request needs at "
+                          f"least 2 (a prompt token and a generated one)")

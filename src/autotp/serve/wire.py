@@ -1,0 +1,84 @@
+"""The one message per step: rank 0's `Step`, broadcast to every rank on a gloo group of its own.
+
+A step is a few hundred bytes (the running rows' next tokens, the rows that leave, rarely a new group's
+prompts), sent as one broadcast of a fixed BUFFER-byte tensor: its first 8 bytes give the pickled
+step's length. A step that does not fit (the prompts of a new group, say) is sent whole in a second
+broadcast of exactly its size. So a decode step costs one collective beyond the model's own, whatever
+happens in it: who leaves, who is cancelled, what the next tokens are. NCCL runs keep NCCL for the
+model; this group is gloo, on CPU tensors. Pickle is safe here: only rank 0's own process writes it.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+BUFFER = 4096
+HEADER = 8
+TIMEOUT_S = 60  # no broadcast waits longer than a heartbeat plus one step (a long prefill chunk included)
+
+
+@dataclass(frozen=True)
+class Step:
+    """What every rank does next. Row ids are rank 0's, unique for the server's lifetime."""
+
+    drop: tuple[int, ...] = ()  # rows that leave before this step (finished, cancelled, failed)
+    tokens: tuple[int, ...] = ()  # the next input token of each running row, in batch order (Batch.order_after)
+    admit: tuple[tuple[int, tuple[int, ...]], ...] = ()  # a new prefill group: (row id, prompt ids) each
+    chunk: int = 0  # prompt columns of the prefill group to run in this step
+    error: str = ""  # how the previous step failed on rank 0 ("" if it did not): every rank must agree
+    stop: bool = False  # every rank returns
+
+
+IDLE = Step()
+
+
+class Channel:
+    """rank 0 `send`s, every other rank `recv`s, once per step. group None (one rank): nothing is sent."""
+
+    def __init__(self):
+        self.group = None
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=TIMEOUT_S))
+        self.buffer = torch.zeros(BUFFER, dtype=torch.uint8)
+
+    def send(self, step: Step) -> None:
+        if self.group is None:
+            return
+        data = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
+        self.buffer[:HEADER] = torch.frombuffer(bytearray(len(data).to_bytes(HEADER, "little")), dtype=torch.uint8)
+        fits = len(data) <= BUFFER - HEADER
+        if fits:
+            self.buffer[HEADER:HEADER + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        dist.broadcast(self.buffer, src=0, group=self.group)
+        if not fits:
+            dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), src=0, group=self.group)
+
+    def recv(self) -> Step:
+        dist.broadcast(self.buffer, src=0, group=self.group)
+        size = int.from_bytes(self.buffer[:HEADER].numpy().tobytes(), "little")
+        if size <= BUFFER - HEADER:
+            return pickle.loads(self.buffer[HEADER:HEADER + size].numpy().tobytes())
+        whole = torch.empty(size, dtype=torch.uint8)
+        dist.broadcast(whole, src=0, group=self.group)
+        return pickle.loads(whole.numpy().tobytes())
+
+    def share(self, value):
+        """rank 0's value on every rank: start-up only, never per step."""
+        if self.group is None:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def gather(self, value) -> list:
+        """Every rank's value on every rank: start-up only, never per step."""
+        if self.group is None:
+            return [value]
+        out = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(out, value, group=self.group)
+        return out
