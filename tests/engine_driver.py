@@ -41,10 +41,11 @@ def job(ids, max_tokens: int, temperature: float = 0.0, seed: int = 0, stop: tup
 
 def drive(engine: Engine, arrivals: dict[int, list[Job]], max_steps: int = 10_000,
           on_step=None) -> int:
-    """Submit arrivals[s] before step s; step until every job has ended. Returns the steps taken."""
+    """Submit arrivals[s] before step s; step until every job has ended or been cancelled (its client
+    left: nobody is answered). Returns the steps taken."""
     jobs = [j for js in arrivals.values() for j in js]
     step = 0
-    while any(j.emit.ended is None for j in jobs):
+    while any(j.emit.ended is None and not j.cancelled for j in jobs):
         for j in arrivals.get(step, []):
             assert engine.submit([j]) == "ok"
         if on_step is not None:
@@ -77,3 +78,94 @@ def run_on_ranks(model, tokenizer, make_arrivals, limits: Limits = ROOMY) -> lis
         drive(engine, arrivals)
     channel.send(Step(stop=True))
     return [(j.emit.ended, j.emit.streamed) for js in arrivals.values() for j in js]
+
+
+def serve_rows(model_dir: str, tokenizer_dir: str, prompts: list[list[int]], spec: list[tuple],
+               limits: Limits) -> list | None:
+    """A pool task: this rank's shard of model_dir, then run_on_ranks over spec's rows (see test_continuous)."""
+    from transformers import AutoTokenizer
+
+    import autotp
+
+    model = autotp.from_pretrained(model_dir, check_inputs=False)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+
+    def arrivals() -> dict[int, list[Job]]:
+        out: dict[int, list[Job]] = {}
+        for i, (ids, (_, n, t, p, k, seed, at)) in enumerate(zip(prompts, spec, strict=True)):
+            out.setdefault(at, []).append(job(ids, n, t, seed, top_p=p, top_k=k, index=i))
+        return out
+
+    ended = run_on_ranks(model, tokenizer, arrivals, limits)
+    return None if ended is None else [e for e, _ in ended]
+
+
+class CollectiveCounter:
+    """Counts this rank's torch.distributed calls by kind while active (the model's and the engine's)."""
+
+    def __init__(self):
+        import autotp.collectives as collectives
+
+        self.counts: dict[str, int] = {}
+        self.patched = [(dist_module(), "broadcast"), (dist_module(), "all_reduce"),
+                        (collectives, "_all_gather_single")]
+
+    def __enter__(self):
+        self.saved = [getattr(m, name) for m, name in self.patched]
+        for (module, name), original in zip(self.patched, self.saved, strict=True):
+            setattr(module, name, self._counting(name.strip("_"), original))
+        return self
+
+    def __exit__(self, *exc):
+        for (module, name), original in zip(self.patched, self.saved, strict=True):
+            setattr(module, name, original)
+
+    def _counting(self, kind: str, fn):
+        def call(*args, **kwargs):
+            self.counts[kind] = self.counts.get(kind, 0) + 1
+            return fn(*args, **kwargs)
+        return call
+
+    def take(self) -> dict[str, int]:
+        out, self.counts = self.counts, {}
+        return out
+
+
+def dist_module():
+    import torch.distributed as dist
+
+    return dist
+
+
+def step_collectives(model_dir: str, tokenizer_dir: str) -> dict | None:
+    """A pool task: the collectives of one bare decode forward, and of each engine step by what it ran."""
+    from transformers import AutoTokenizer, DynamicCache
+
+    import autotp
+
+    model = autotp.from_pretrained(model_dir, check_inputs=False)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        model(torch.tensor([[1, 2], [3, 4]]), cache=cache)
+        with CollectiveCounter() as counter:
+            model(torch.tensor([[5], [6]]), cache=cache)
+        forward = counter.take()
+    channel = Channel()
+    if dist_module().get_rank() != 0:
+        assert follow(model, channel, StopFlag()) == 0
+        return None
+    engine = Engine(model, tokenizer, channel, StopFlag(), ROOMY, 256)
+    sent: list[Step] = []
+    send = channel.send
+    channel.send = lambda step: (sent.append(step), send(step))[-1]
+    jobs = [job([1, 2, 3], 12, index=0), job([4, 5], 12, index=1)]
+    steps = []
+    with torch.inference_mode(), CollectiveCounter() as counter:
+        for j in jobs:
+            engine.submit([j])
+        while any(j.emit.ended is None for j in jobs):
+            engine.step()
+            steps.append((bool(sent[-1].chunk), bool(sent[-1].tokens), counter.take()))
+    channel.send(Step(stop=True))
+    return {"forward": forward, "steps": steps}
