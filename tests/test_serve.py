@@ -320,10 +320,60 @@ def test_fifty_concurrent_requests_all_succeed(server):
     assert re.search(r"cmpl-\w+ status=200 prompt_tokens=\d+ generated_tokens=\d+ latency=[\d.]+s", server.text())
 
 
+@pytest.mark.timeout(120)
+def test_a_short_request_is_answered_while_a_long_one_streams(server):
+    """Continuous batching: the short one joins the running batch instead of waiting for the long one."""
+    long = server.client.completions.create(model=server.model_id, prompt="def f(x):", max_tokens=110,
+                                            temperature=0, stream=True)
+    chunks = iter(long)
+    before = [next(chunks)]
+    short = server.client.completions.create(model=server.model_id, prompt="x = ", max_tokens=4, temperature=0)
+    after = list(chunks)  # what the long stream still had to send once the short request was answered
+    assert short.usage.completion_tokens == 4
+    assert any(c.choices and c.choices[0].text for c in after), "the long request had finished already"
+    assert [c.choices[0].finish_reason for c in after if c.choices][-1] == "length"
+    assert len(before) == 1
+
+
+@pytest.mark.timeout(180)
+def test_a_seeded_request_joining_a_busy_batch_gets_its_text_alone(server):
+    params = dict(model=server.model_id, prompt="class Point:", max_tokens=24, temperature=0.8, seed=5)
+    alone = server.client.completions.create(**params).choices[0].text
+    busy = [server.client.completions.create(model=server.model_id, prompt=f"def g{i}(x):", max_tokens=60,
+                                             temperature=1.0, seed=i, stream=True) for i in range(4)]
+    streams = [iter(b) for b in busy]
+    for stream in streams:
+        next(stream)  # each of them is running now
+    joined = server.client.completions.create(**params).choices[0].text
+    for stream in streams:
+        list(stream)
+    assert joined == alone
+
+
+@pytest.mark.timeout(300)
+def test_the_cli_and_the_server_sample_the_same_text(server, model_dir):
+    """One sampler: the same prompt, temperature and seed give one text, whichever front end draws it."""
+    served = server.client.completions.create(model=server.model_id, prompt="def add(a, b):", max_tokens=24,
+                                              temperature=0.8, seed=5).choices[0].text
+    cli = autotp_generate(model_dir, "--prompt", "def add(a, b):", "--max-new-tokens", "24", "--do-sample",
+                          "--temperature", "0.8", "--seed", "5")
+    greedy = server.client.completions.create(model=server.model_id, prompt="def add(a, b):", max_tokens=24,
+                                              temperature=0).choices[0].text
+    assert served == cli and served != greedy
+
+
 @pytest.mark.timeout(60)
-def test_sigterm_stops_every_rank(server):
+def test_sigterm_drains_the_running_requests_and_stops_every_rank(server):
     assert len(server.ranks) == 2 and all(alive(p) for p in server.ranks)
+    running = server.client.completions.create(model=server.model_id, prompt="def f(x):", max_tokens=100,
+                                               temperature=0, stream=True, stream_options={"include_usage": True})
+    chunks = iter(running)
+    next(chunks)
     server.proc.send_signal(signal.SIGTERM)
+    rest = list(chunks)  # the admitted request runs to its end
+    assert [c.usage.completion_tokens for c in rest if c.usage] == [100]
+    with pytest.raises((openai.APIConnectionError, openai.InternalServerError)):
+        server.client.completions.create(model=server.model_id, prompt="x", max_tokens=2)
     server.proc.wait(timeout=45)
     deadline = time.monotonic() + 10
     while any(alive(p) for p in server.ranks) and time.monotonic() < deadline:
@@ -355,6 +405,9 @@ def test_a_dead_rank_gets_503_and_the_server_exits(model_dir, tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--max-model-len", "4096"], "--max-model-len 4096 exceeds the model's context of 128 positions"),
     (["--port", "BUSY"], "cannot listen on 127.0.0.1:"),
+    (["--max-num-seqs", "32", "--max-num-batched-tokens", "16"],
+     "--max-num-batched-tokens 16 is less than --max-num-seqs 32"),
+    (["--kv-cache-memory", "300B"], "--kv-cache-memory 300 bytes holds 1 cached tokens at 256 bytes each"),
 ])
 def test_startup_errors_are_one_line(model_dir, args, message):
     with socket.create_server(("127.0.0.1", 0)) as busy:

@@ -78,6 +78,11 @@ class ServeOptions:
     api_key: str | None = None
 
 
+def _size(n: int) -> str:
+    return next(f"{n / 2**p:.1f} {unit}" for p, unit in ((30, "GiB"), (20, "MiB"), (10, "KiB"), (0, "B")) if n >= 2**p
+                or p == 0)
+
+
 def _limits(net, channel: Channel, env, opts: ServeOptions, max_model_len: int) -> Limits:
     """Every rank measures its cache cost and free memory; the largest cost and smallest room decide."""
     costs = channel.gather((budget.token_bytes(net), budget.free_bytes(env.device)))
@@ -87,8 +92,7 @@ def _limits(net, channel: Channel, env, opts: ServeOptions, max_model_len: int) 
     if env.rank == 0:
         short = (f", less than the context of {max_model_len}: longer requests are refused"
                  if tokens < max_model_len else "")
-        log(f"KV cache: {tokens} tokens per rank ({tokens * per_token / 2**20:.1f} MiB at {per_token} bytes per "
-            f"token){short}")
+        log(f"KV cache: {tokens} tokens per rank ({_size(tokens * per_token)} at {per_token} bytes per token){short}")
     return Limits(opts.max_num_seqs, opts.max_num_batched_tokens, tokens)
 
 

@@ -1,0 +1,84 @@
+"""`autotp serve` at its limits, as clients see them: a full queue is 429, a request that could never fit
+the KV cache is 400, a prompt longer than the step's token budget is prefilled in chunks.
+
+One 2-rank server for the module with one sequence slot, a queue of one, 16 tokens per step and a KV
+cache of 64 tokens per rank (the tiny model caches 256 bytes per token on each rank: 2 layers, one
+16-wide K/V head, float32).
+"""
+
+import json
+import re
+import subprocess
+import sys
+
+import fim_model
+import openai
+import pytest
+from pool import free_port
+from serve_harness import ENV, Server
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return fim_model.build(tmp_path_factory.mktemp("fim"))
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    s = Server(model_dir, tmp_path_factory.mktemp("serve") / "server.log", "--max-num-seqs", "1", "--max-queue", "1",
+               "--max-num-batched-tokens", "16", "--kv-cache-memory", "16KiB")
+    yield s
+    s.kill()
+
+
+def test_the_budgets_are_announced(server):
+    assert re.search(r"KV cache: 64 tokens per rank \(16\.0 KiB at 256 bytes per token\), less than the context "
+                     r"of 128: longer requests are refused", server.text()), server.text()[-2000:]
+
+
+def test_a_request_that_could_never_fit_the_cache_is_400_at_once(server):
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client.completions.create(model=server.model_id, prompt="def add(a, b):", max_tokens=60)
+    assert "can never fit the KV cache of 64 tokens per rank" in e.value.message
+    assert server.client.completions.create(model=server.model_id, prompt="x", max_tokens=2).usage.completion_tokens
+
+
+def test_past_the_queue_a_request_gets_429_with_retry_after_and_the_admitted_ones_finish(server):
+    running = server.client.completions.create(model=server.model_id, prompt="def f(x):", max_tokens=50,
+                                               temperature=0, stream=True)
+    first = next(iter(running))  # the one sequence slot is taken
+    assert first.choices
+    queued = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    import threading
+
+    result = {}
+    waiter = threading.Thread(target=lambda: result.update(r=queued.completions.create(
+        model=server.model_id, prompt="x", max_tokens=3)))
+    waiter.start()
+    try:
+        for _ in range(200):  # until the second request sits in the queue
+            try:
+                server.client.completions.create(model=server.model_id, prompt="y", max_tokens=1)
+            except openai.RateLimitError as e:
+                refused = e
+                break
+        else:
+            pytest.fail("the queue never filled")
+    finally:
+        rest = "".join(c.choices[0].text for c in running if c.choices)
+        waiter.join(timeout=60)
+    assert refused.status_code == 429 and refused.response.headers["retry-after"] == "1"
+    assert refused.body["code"] == "rate_limit_exceeded" and "--max-queue" in refused.message
+    assert result["r"].usage.completion_tokens == 3 and first.choices[0].text + rest
+    assert re.search(r"status=429 ", server.text())
+
+
+def test_a_prompt_longer_than_a_step_is_prefilled_in_chunks_and_gives_the_unchunked_text(server, model_dir):
+    prompt = "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n"
+    out = server.client.completions.create(model=server.model_id, prompt=prompt, max_tokens=8, temperature=0)
+    assert out.usage.prompt_tokens > 16  # more than one step's 16 tokens
+    cli = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                          str(free_port()), "-m", "autotp", "generate", "--model", model_dir, "--prompt", prompt,
+                          "--max-new-tokens", "8", "--json"], capture_output=True, text=True, timeout=120, env=ENV)
+    assert cli.returncode == 0, cli.stderr
+    assert out.choices[0].text == json.loads(cli.stdout)["text"]
