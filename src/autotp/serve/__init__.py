@@ -2,10 +2,15 @@
 
 The modules, each depending only on those listed before it:
 
-- types.py: plain shared types (Row, Outcome, Result) and the log line; no torch.
+- types.py: plain shared types (Row, Result) and the log line; no torch.
 - api.py: the OpenAI protocol at the boundary (request checking, error and response bodies); no torch.
-- batch.py: one batch of rows through HF `generate`, identically on every rank.
-- engine.py: rank 0's scheduler and the other ranks' command loop, in lockstep.
+- text.py: tokens to text: decoding, stop strings, streamed deltas.
+- scheduler.py: rank 0's admission and chunk rules under the budgets; no torch.
+- wire.py: the `Step` rank 0 broadcasts, one message per step.
+- kv.py: the padded HF cache that rows join and leave.
+- state.py: the continuous batch every rank holds, and the forwards of one step.
+- budget.py: the KV cache's size, measured at start-up.
+- engine.py: rank 0's step loop (continuous batching) and the other ranks' `follow`, in lockstep.
 - guard.py: what is refused before a request reaches the API (Host, key, media type, size, read time).
 - http.py: the FastAPI app and the uvicorn thread on rank 0.
 - server.py: `serve()`, which loads the model and ties the above together.
