@@ -30,7 +30,7 @@ class Recorder:
 
     @property
     def streamed(self) -> str:
-        return "".join(e[2] for e in self.events if e[0] == "text")
+        return "".join(e[2].text for e in self.events if e[0] == "token")
 
 
 def job(ids, max_tokens: int, temperature: float = 0.0, seed: int = 0, stop: tuple[str, ...] = (),

@@ -75,12 +75,17 @@ class Server:
             return e.code, json.loads(e.read())
 
     def raw(self, request: bytes, timeout: float = 30) -> bytes:
-        """Send bytes as they are, read the answer until the server closes the connection."""
+        """Send bytes as they are, read the answer until the server closes the connection or, when it has a
+        Content-Length, until the body is complete."""
         with socket.create_connection(("127.0.0.1", self.port), timeout=timeout) as s:
             s.sendall(request)
             out = b""
             while chunk := s.recv(65536):
                 out += chunk
+                head, sep, body = out.partition(b"\r\n\r\n")
+                length = re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)
+                if sep and length and len(body) >= int(length.group(1)):
+                    break
             return out
 
     def health(self) -> dict:

@@ -58,8 +58,10 @@ def test_text_stream_holds_back_partial_characters_and_stop_prefixes():
 
 
 def test_the_api_boundary_imports_no_torch():
-    """serve/api.py checks requests without torch: it and its imports (serve.types, sampling, tokenizer) stay light."""
-    code = "import sys, autotp.serve.api\nprint(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    """The protocol modules check requests without torch: they and their imports (serve.boundary, serve.types,
+    sampling, tokenizer) stay light."""
+    code = ("import sys, autotp.serve.openai_api, autotp.serve.tgi_api\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=ENV)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
 
@@ -148,8 +150,10 @@ BAD = [  # (body, status, param, message fragment)
     ({"prompt": "x", "temperature": "hot"}, 400, "temperature", "valid number"),
     ({"prompt": "x", "temperature": 3}, 400, "temperature", "between 0 and 2, got 3"),
     ({"prompt": "x", "top_p": 0}, 400, "top_p", "(0, 1]"),
-    ({"prompt": "x", "n": 2}, 400, "n", "not supported"),
-    ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "at most 4"),
+    ({"prompt": "x", "n": 17}, 400, "n", "between 1 and 16, got 17"),
+    ({"prompt": "x", "best_of": 2}, 400, "best_of", "not supported"),
+    ({"prompt": "x", "logprobs": 6}, 400, "logprobs", "between 0 and 5, got 6"),
+    ({"prompt": "x", "stop": list("abcdefghijklmnopq")}, 400, "stop", "at most 16"),
     ({"prompt": "x", "stream": "yes"}, 400, "stream", "valid boolean"),
     ({"prompt": "x", "bogus": 1}, 400, "bogus", "unrecognized request argument"),
     # what torch.Generator.manual_seed cannot take killed every rank, even at temperature 0

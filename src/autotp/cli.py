@@ -157,12 +157,18 @@ def cmd_serve(args) -> int:
     from autotp.serve import serve
     from autotp.serve.server import ServeOptions
 
+    key, source = args.api_key, "--api-key"
+    if key is None:
+        key, source = os.environ.get("AUTOTP_API_KEY"), "AUTOTP_API_KEY"
+    if key is not None and not key.strip():
+        # what --api-key "$KEY" passes when KEY is unset: serving without a key would be the silent outcome
+        raise AutotpError(f"{source} is empty: give a key, or leave it out to serve without one")
     opts = ServeOptions(host=args.host, port=args.port, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
                         max_queue=args.max_queue, max_model_len=args.max_model_len, dtype=args.dtype,
                         device=args.device, quantize=args.quantize, group_size=args.group_size,
                         max_body_bytes=args.max_body_bytes, read_timeout=args.read_timeout,
-                        allowed_hosts=args.allowed_hosts, api_key=args.api_key or os.environ.get("AUTOTP_API_KEY"))
+                        allowed_hosts=args.allowed_hosts, api_key=key)
     return serve(args.model or default_model(), model_id=args.model or DEMO_ID, opts=opts)
 
 

@@ -30,10 +30,11 @@ import torch
 
 from autotp.generate import pad_token_id
 from autotp.sampler import RowSampler, SampleError, SamplingParams
+from autotp.serve.metrics import Metrics
 from autotp.serve.scheduler import Limits, Need, admit, chunk_size
 from autotp.serve.state import Batch, Logits
-from autotp.serve.text import TextStream, cut_at_stop, decode
-from autotp.serve.types import Result, Row, log
+from autotp.serve.text import TextStream, cut_at_stop, decode, first_stop
+from autotp.serve.types import Piece, Result, Row, TokenLogprob, log
 from autotp.serve.wire import Channel, Step
 
 HEARTBEAT_S = 0.5  # an idle rank 0 sends an empty step this often, so a dead rank shows within seconds
@@ -65,7 +66,8 @@ class StopFlag:
 @dataclass
 class Job:
     """One prompt of one request, as rank 0 tracks it. emit(event) must be thread-safe; events are
-    ("text", index, delta) when streaming, then ("done", index, Result) or ("error", index, (status, message))."""
+    ("token", index, Piece) per generated token when streaming, then ("done", index, Result) or
+    ("error", index, (status, message))."""
 
     row: Row
     index: int
@@ -73,6 +75,7 @@ class Job:
     stream: TextStream | None = None
     request: str = ""  # the request's id, for the log
     cancelled: bool = False  # set from the HTTP thread when the client goes away; read at each step
+    arrived: float = field(default_factory=time.monotonic)  # when the request came in, for the metrics
 
     def fail(self, status: int, message: str) -> None:
         self.emit(("error", self.index, (status, message)))
@@ -85,8 +88,11 @@ class Active:
     job: Job
     sampler: RowSampler
     tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=lambda: [None])  # the first has none
     next: int | None = None
     done: bool = False  # finished, failed or answered: leaves at the next step
+    last: float | None = None  # when its last token came out (metrics)
 
     def need(self) -> Need:
         row = self.job.row
@@ -101,13 +107,16 @@ def eos_ids(model) -> set[int]:
 class Engine:
     """Rank 0's scheduler: `submit` from any thread, `run` in the main thread until `stopping` is set."""
 
-    def __init__(self, model, tokenizer, channel: Channel, stopping: StopFlag, limits: Limits, max_queue: int):
+    def __init__(self, model, tokenizer, channel: Channel, stopping: StopFlag, limits: Limits, max_queue: int,
+                 metrics: Metrics | None = None):
         self.batch = Batch(model, pad_token_id(model.generation_config))
         # a copy of its own: the parser thread encodes with the original, and HF fast tokenizers are not
         # meant to be used from two threads at once
         self.tokenizer = copy.deepcopy(tokenizer)
         self.channel, self.stopping, self.limits, self.max_queue = channel, stopping, limits, max_queue
+        self.metrics = metrics
         self.eos = eos_ids(model)
+        self.special = set(tokenizer.all_special_ids)
         self.inbox: queue.Queue[Job] = queue.Queue()
         self.waiting: deque[Job] = deque()
         self.active: dict[int, Active] = {}
@@ -131,9 +140,15 @@ class Engine:
         return "ok"
 
     def counts(self) -> tuple[int, int]:
-        """(rows running or prefilling, jobs waiting), for /health and metrics; any thread."""
+        """(rows running or prefilling, jobs waiting), for the metrics; any thread."""
         with self.lock:
             return len(self.active), self.queued
+
+    def kv_used(self) -> int:
+        """Cache slots the rows hold now (the padded batch's rows x width, and the prefill's); any thread."""
+        running, prefill = self.batch.running, self.batch.prefill
+        used = running.mask.numel() if running is not None else 0
+        return used + (prefill.batch.mask.numel() if prefill is not None else 0)
 
     def run(self) -> int:
         """Schedule until stopped and drained (0) or until the ranks can no longer run in lockstep (1)."""
@@ -224,7 +239,7 @@ class Engine:
         group_rows = [r for r in group.rows if r not in drop] if group is not None and not group.complete else []
         if group_rows:  # the prefill in progress goes on
             left = group.ids.shape[1] - group.done
-            return Step(drop, tokens, (), chunk_size(len(group_rows), left, len(order), self.limits), error)
+            return Step(drop, tokens, chunk=chunk_size(len(group_rows), left, len(order), self.limits), error=error)
         if not self.waiting or self.stopping.is_set():
             return Step(drop, tokens, error=error)
         head = [j for _, j in zip(range(self.limits.max_num_seqs), self.waiting, strict=False)]
@@ -241,53 +256,99 @@ class Engine:
         if not admitted:
             return Step(drop, tokens, error=error)
         width = max(len(ids) for _, ids in admitted)
-        return Step(drop, tokens, tuple(admitted), chunk_size(len(admitted), width, len(order), self.limits), error)
+        all_logits = any(self.active[r].job.row.prompt_logprobs for r, _ in admitted)
+        return Step(drop, tokens, tuple(admitted), chunk_size(len(admitted), width, len(order), self.limits),
+                    all_logits=all_logits, error=error)
 
     def _sample(self, logits: Logits) -> None:
-        for rows, scores in ((logits.prefill_rows, logits.prefill), (logits.decode_rows, logits.decode)):
-            if scores is None:
-                continue
-            finite = torch.isfinite(scores.max(dim=-1).values).tolist()
-            greedy = scores.argmax(dim=-1).tolist()  # what RowSampler.pick gives a greedy row, for all at once
-            for i, row in enumerate(rows):
-                a = self.active[row]
-                try:
-                    token = greedy[i] if finite[i] and a.sampler.generator is None else a.sampler.pick(scores[i])
-                except SampleError as e:
-                    log(f"{a.job.request} prompt {a.job.index} failed: {e}")
-                    a.done = True
-                    a.job.fail(500, str(e))
-                    continue
-                self._advance(a, token)
+        if logits.prefill is not None:
+            if self.batch.prefill is not None and self.batch.prefill.all_logits:
+                self._prompt_logprobs(logits)
+            if logits.first:
+                self._sample_rows(logits.prefill_rows, logits.prefill[:, -1])
+        if logits.decode is not None:
+            self._sample_rows(logits.decode_rows, logits.decode)
 
-    def _advance(self, a: Active, token: int) -> None:
+    def _sample_rows(self, rows: list[int], scores: torch.Tensor) -> None:
+        """scores (rows, vocab): each row's next token, then its log-probabilities where it asked for them."""
+        finite = torch.isfinite(scores.max(dim=-1).values).tolist()
+        greedy = scores.argmax(dim=-1).tolist()  # what RowSampler.pick gives a greedy row, for all at once
+        picked: dict[int, int] = {}
+        for i, row in enumerate(rows):
+            a = self.active[row]
+            try:
+                picked[i] = greedy[i] if finite[i] and a.sampler.generator is None else a.sampler.pick(scores[i])
+            except SampleError as e:
+                log(f"{a.job.request} prompt {a.job.index} failed: {e}")
+                a.done = True
+                a.job.fail(500, str(e))
+        want = [i for i in picked if self.active[rows[i]].job.row.logprobs is not None]
+        logprobs = dict(zip(want, token_logprobs(scores[want], [picked[i] for i in want],
+                                                 [self.active[rows[i]].job.row.logprobs for i in want]), strict=True))
+        for i, token in picked.items():
+            self._advance(self.active[rows[i]], token, logprobs.get(i))
+
+    def _prompt_logprobs(self, logits: Logits) -> None:
+        """Each prompt token's log-probability given the ones before it, from this chunk's scores
+        (rows, end - start, vocab): column j predicts column j + 1 of the left-padded prompt."""
+        width = self.batch.prefill.ids.shape[1]
+        for i, row in enumerate(logits.prefill_rows):
+            a = self.active[row]
+            if not a.job.row.prompt_logprobs:
+                continue
+            ids, first = a.job.row.ids, width - len(a.job.row.ids)  # the row's tokens fill [first, width)
+            cols = range(max(logits.start, first), min(logits.end, width - 1))
+            if cols:
+                targets = [ids[j + 1 - first] for j in cols]
+                picked = logits.prefill[i, cols.start - logits.start:cols.stop - logits.start]
+                a.prompt_logprobs += token_logprobs(picked, targets, [a.job.row.logprobs or 0] * len(targets))
+
+    def _advance(self, a: Active, token: int, logprob: TokenLogprob | None) -> None:
         """A row's new token: it finishes here (eos, stop string, budget) or feeds the next step."""
         a.tokens.append(token)
+        if logprob is not None:
+            a.logprobs.append(logprob)
         row, job = a.job.row, a.job
+        if self.metrics is not None:
+            a.last = self.metrics.token(job.arrived, a.last)
         try:
-            text = decode(self.tokenizer, a.tokens) if row.stop or job.stream else ""
-            if token in self.eos or (row.stop and cut_at_stop(text, row.stop)[1]):
-                self._finish(a, text, "stop")
+            watched = bool(row.stop) or job.stream is not None  # text needed at every token, not only the last
+            text = decode(self.tokenizer, a.tokens) if watched else ""
+            stopped_by = first_stop(text, row.stop) if row.stop else ""
+            if token in self.eos or stopped_by:
+                reason = "stop"
             elif len(a.tokens) >= row.max_tokens:
-                self._finish(a, text, "length")
+                reason = "length"
             else:
-                a.next = token
-                if job.stream is not None and (delta := job.stream.delta(text)):
-                    job.emit(("text", job.index, delta))
+                a.next, reason = token, ""
+            if reason:
+                text = cut_at_stop(text if watched else decode(self.tokenizer, a.tokens), row.stop)[0]
+            if job.stream is not None:
+                delta = job.stream.delta(text, final=bool(reason))
+                job.emit(("token", job.index, Piece(token, delta, token in self.special, logprob)))
+            if reason:
+                a.done = True
+                if self.metrics is not None:
+                    self.metrics.finished(job.arrived, reason, len(row.ids), len(a.tokens))
+                job.emit(("done", job.index, Result(text, reason, len(a.tokens), tuple(a.tokens), tuple(a.logprobs),
+                                                    tuple(a.prompt_logprobs), stopped_by)))
         except Exception as e:  # noqa: BLE001 - rank 0's decoding, between steps: this request only
             log(f"{job.request} prompt {job.index} failed after generating: {describe(e)}")
             a.done = True
             job.fail(500, f"decoding the completion failed: {type(e).__name__}")
 
-    def _finish(self, a: Active, text: str, reason: str) -> None:
-        job = a.job
-        if not (job.row.stop or job.stream):
-            text = decode(self.tokenizer, a.tokens)
-        text = cut_at_stop(text, job.row.stop)[0]
-        if job.stream is not None and (delta := job.stream.delta(text, final=True)):
-            job.emit(("text", job.index, delta))
-        a.done = True
-        job.emit(("done", job.index, Result(text, reason, len(a.tokens), tuple(a.tokens))))
+
+def token_logprobs(scores: torch.Tensor, tokens: list[int], tops: list[int]) -> list[TokenLogprob]:
+    """scores (n, vocab) and the token taken at each -> its log-probability and the tops[i] likeliest."""
+    if not tokens:
+        return []
+    lp = torch.log_softmax(scores.float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
+    k = max(tops)
+    values, ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    values, ids = values.tolist(), ids.tolist()
+    return [TokenLogprob(t, c, tuple(zip(ids[i][:tops[i]], values[i][:tops[i]], strict=True)))
+            for i, (t, c) in enumerate(zip(tokens, chosen, strict=True))]
 
 
 def follow(model, channel: Channel, stopping: StopFlag) -> int:

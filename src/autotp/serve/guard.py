@@ -3,16 +3,19 @@
 - Host: a server bound to loopback answers only Host headers that name loopback (localhost, 127.0.0.1,
   [::1], any port), so a web page whose domain resolves to 127.0.0.1 (DNS rebinding) cannot use it;
   `--allowed-hosts` replaces that list ("*": any). A server bound elsewhere accepts any Host.
-- API key: with `--api-key` (or AUTOTP_API_KEY), /v1/* needs `Authorization: Bearer <key>`, as OpenAI
-  clients send it; /health stays open for probes.
+- API key: with `--api-key` (or AUTOTP_API_KEY), /v1/* and TGI's generation routes need
+  `Authorization: Bearer <key>`, as OpenAI and Hugging Face clients send it; /health, /info and
+  /metrics stay open for probes and scrapers.
 - POST bodies must be `application/json` (a browser form or `text/plain` fetch cannot be one without a
   CORS preflight, which this server never grants), of at most `--max-body-bytes`: a declared
-  Content-Length beyond it is refused before reading, a chunked body once it grows beyond it.
+  Content-Length beyond it is refused without parsing, a chunked body once it grows beyond it. The body
+  is read and discarded (up to DRAIN_BYTES) before the 413 is sent: a client that writes its whole body
+  before reading (Python's http.client, requests) would otherwise see its connection reset, not the 413.
 - Read time: a request's headers and body must arrive within `--read-timeout` seconds of its first
   byte (of the connection, for the first request), or the connection is closed. uvicorn's h11 protocol
   has a keep-alive timeout between requests but none while reading one, so slow clients (slowloris)
   could hold connections open forever.
-Errors are OpenAI-shaped, like the API's own; the response closes the connection (the body is unread).
+Errors have the route's protocol's shape (OpenAI's, or TGI's on its routes); they close the connection.
 """
 
 from __future__ import annotations
@@ -25,8 +28,12 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from autotp.serve.api import ApiError, clip
+from autotp.serve import tgi_api
+from autotp.serve.boundary import ApiError, clip
 from autotp.serve.types import log
+
+DRAIN_BYTES = 2**26  # at most this much of a refused body is read (and dropped) so that the 413 arrives
+KEYED = ("/v1/",)  # path prefixes that need the API key, beside TGI's generation routes
 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 
@@ -61,7 +68,7 @@ class Guard:
         if self.allowed_hosts is not None and host is not None and host_name(host) not in self.allowed_hosts:
             return ApiError(400, f"the Host header {host!r} is not allowed by this server (see --allowed-hosts)",
                             code="invalid_host")
-        if self.api_key is not None and scope["path"].startswith("/v1/"):
+        if self.api_key is not None and (scope["path"].startswith(KEYED) or tgi_api.is_tgi(scope["path"])):
             given = headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
                 return ApiError(401, "missing or incorrect API key: send it as 'Authorization: Bearer <key>'",
@@ -78,10 +85,63 @@ class Guard:
 
     async def __call__(self, scope, receive, send) -> None:
         refusal = self._refusal(scope) if scope["type"] == "http" else None
+        if refusal is None and scope["type"] == "http" and scope["method"] == "POST":
+            body, state = await self._read(receive)
+            if state == "gone":  # the client left mid-body: nobody to answer
+                return None
+            if state == "whole":  # the app reads the body from here, then the connection's messages (its disconnect)
+                return await self.app(scope, replay(body, receive), send)
+            refusal = too_large(self.max_body_bytes)
         if refusal is None:
             return await self.app(scope, receive, send)
         log(f"refused {scope['method']} {clip(scope['path'])}: status={refusal.status} error={refusal.message!r}")
-        await closing_response(refusal)(scope, receive, send)
+        response = closing_response(refusal, tgi_api.is_tgi(scope["path"]))
+        expects = dict(scope["headers"]).get(b"expect", b"").lower() == b"100-continue"
+        if refusal.status != 413 or expects:  # a client that waits for "100 Continue" sends no body: none to read
+            return await response(scope, receive, send)
+        # the whole answer first, then the body the client is still writing, read and dropped, then the end:
+        # a client that reads only once its body is written finds the 413 waiting instead of a reset
+        await send({"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers})
+        await send({"type": "http.response.body", "body": response.body, "more_body": True})
+        await drain(receive)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _read(self, receive) -> tuple[bytes, str]:
+        """The body and "whole", "large" (reading stopped once it grew beyond the limit) or "gone"."""
+        body = bytearray()
+        while len(body) <= self.max_body_bytes:
+            message = await receive()
+            if message["type"] != "http.request":
+                return bytes(body), "gone"
+            body += message.get("body", b"")
+            if not message.get("more_body", False):
+                break
+        return bytes(body), "whole" if len(body) <= self.max_body_bytes else "large"
+
+
+def replay(body: bytes, receive):
+    """An ASGI receive that gives the body already read, then the connection's next messages."""
+    sent = False
+
+    async def inner():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return inner
+
+
+async def drain(receive, limit: int = DRAIN_BYTES) -> None:
+    """Read and drop what is left of a request's body, up to limit bytes (bounded in time by the read timeout)."""
+    while limit > 0:
+        message = await receive()
+        if message["type"] != "http.request":
+            return
+        limit -= len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return
 
 
 def too_large(limit: int) -> ApiError:
@@ -89,22 +149,19 @@ def too_large(limit: int) -> ApiError:
                     code="request_too_large")
 
 
-def closing_response(error: ApiError) -> JSONResponse:
-    """The error, closing the connection: a refused request's body is unread, and reading it costs more."""
-    return JSONResponse(error.body(), status_code=error.status, headers={"connection": "close"})
+def closing_response(error: ApiError, tgi: bool = False) -> JSONResponse:
+    """The error, closing the connection: a refused request's body is not worth reading further."""
+    body = tgi_api.error_body(error) if tgi else error.body()
+    return JSONResponse(body, status_code=tgi_api.status(error) if tgi else error.status,
+                        headers={"connection": "close"})
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refused (413) as soon as it grows beyond limit, whatever Content-Length said."""
-    body = bytearray()
+async def read_body(request: Request) -> bytes:
+    """The body (Guard has checked its size already)."""
     try:
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise too_large(limit)
+        return await request.body()
     except ClientDisconnect:
         raise ApiError(400, "the client disconnected before sending the whole body") from None
-    return bytes(body)
 
 
 class ReadTimeoutH11(H11Protocol):

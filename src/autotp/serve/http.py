@@ -1,11 +1,12 @@
 """Rank 0's HTTP side of `autotp serve`: the FastAPI app and the uvicorn thread that runs it.
 
-Endpoints: POST /v1/completions (JSON or server-sent events), GET /v1/models, GET /health. guard.py
-refuses what must not reach them (Host, key, media type, size, slow reads). A request is checked by
-api.py in a worker thread (tokenizing a long prompt takes seconds that /health must not wait for),
-split into one Job per prompt and handed to the Engine; the engine's thread sends results back into the
-event loop with `call_soon_threadsafe`. A client that goes away marks its jobs cancelled, and the engine
-ends their rows at the next step. One log line per request, on stderr.
+Endpoints: OpenAI's POST /v1/completions and /v1/chat/completions, GET /v1/models; TGI's POST /generate,
+/generate_stream and / and GET /info (tgi_api.py); GET /health and GET /metrics (Prometheus). guard.py
+refuses what must not reach them (Host, key, media type, size, slow reads). A request is checked by its
+protocol module in a worker thread (tokenizing a long prompt takes seconds that /health must not wait
+for), split into one Job per row and handed to the Engine; the engine's thread sends events back into
+the event loop with `call_soon_threadsafe`. A client that goes away marks its jobs cancelled, and the
+engine ends their rows at the next step. One log line per request, on stderr.
 """
 
 from __future__ import annotations
@@ -16,81 +17,134 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from autotp.serve.api import (
-    ApiError,
-    Completion,
-    Served,
-    choice,
-    clip,
-    completion_chunk,
-    models_list,
-    parse_completion,
-    usage_of,
-)
+from autotp.serve import openai_api, tgi_api
+from autotp.serve.boundary import ApiError, Parsed, Served, clip
 from autotp.serve.engine import Engine, Job
 from autotp.serve.guard import Guard, ReadTimeoutH11, closing_response, read_body
+from autotp.serve.metrics import CONTENT_TYPE, Metrics
 from autotp.serve.text import TextStream
 from autotp.serve.types import Result, log
 
 RETRY_AFTER_S = 1  # what a 429 asks a client to wait: rows leave every step, so room comes back quickly
 
 
-def _sse(data: dict) -> str:
-    return f"data: {json.dumps(data)}\n\n"
+def _sse(item: dict | str) -> str:
+    return f"data: {item if isinstance(item, str) else json.dumps(item)}\n\n"
 
 
-def _log_request(cid: str, status: int, start: float, prompt_tokens: int = 0, results=(), error: str = "") -> None:
+class Call:
+    """One request in flight: its jobs, the events the engine sends them, and its log line."""
+
+    def __init__(self, cid: str, start: float, parsed: Parsed, metrics: Metrics):
+        self.cid, self.start, self.parsed, self.metrics = cid, start, parsed, metrics
+        self.loop = asyncio.get_running_loop()
+        self.events: asyncio.Queue[tuple] = asyncio.Queue()
+        self.jobs = [Job(row, i, self.emit, TextStream(row.stop) if parsed.stream else None, cid)
+                     for i, row in enumerate(parsed.rows)]
+        self.results: dict[int, Result] = {}
+
+    def emit(self, event: tuple) -> None:  # from the engine's thread
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the event loop is gone (shutdown): nobody is waiting any more
+            pass
+
+    def ordered(self) -> list[Result]:
+        return [self.results[i] for i in range(len(self.jobs))]
+
+    def cancel_unfinished(self) -> None:
+        """The request ended without all its rows (the client left, or one row failed): stop the others."""
+        for job in self.jobs:
+            job.cancelled = job.index not in self.results
+
+    def log(self, status: int, error: str = "") -> None:
+        log_request(self.cid, status, self.start, self.metrics, self.parsed.prompt_tokens,
+                    list(self.results.values()), error)
+
+
+def log_request(cid: str, status: int, start: float, metrics: Metrics, prompt_tokens: int = 0, results=(),
+                error: str = "") -> None:
+    metrics.answered(status)
     generated = sum(r.completion_tokens for r in results)
     line = (f"{cid} status={status} prompt_tokens={prompt_tokens} generated_tokens={generated} "
             f"latency={time.monotonic() - start:.3f}s")
     log(f"{line} error={clip(error)!r}" if error else line)
 
 
-def _cancel_unfinished(jobs: list[Job], results: dict) -> None:
-    """The request ended without all its prompts (the client left, or one prompt failed): stop the others."""
-    for job in jobs:
-        job.cancelled = job.index not in results
-
-
-async def _watch_disconnect(request: Request, jobs: list[Job]) -> None:
+async def _watch_disconnect(request: Request, call: Call) -> None:
     """Cancel the jobs when the client goes away (to be cancelled itself before the response is sent:
     once the body is read, the next message uvicorn delivers is the disconnect)."""
     if (await request.receive())["type"] == "http.disconnect":
-        for job in jobs:
+        for job in call.jobs:
             job.cancelled = True
 
 
-def build_app(served: Served, engine: Engine, max_body_bytes: int, allowed_hosts: frozenset[str] | None,
-              api_key: str | None) -> FastAPI:
+def build_app(served: Served, engine: Engine, metrics: Metrics, max_body_bytes: int,
+              allowed_hosts: frozenset[str] | None, api_key: str | None) -> FastAPI:
     app = FastAPI(title="autotp serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(Guard, allowed_hosts=allowed_hosts, api_key=api_key, max_body_bytes=max_body_bytes)
     # one thread: requests are parsed in arrival order, and HF fast tokenizers are not meant for
-    # concurrent calls ("Already borrowed"); the engine's decoding on its own thread only reads
+    # concurrent calls ("Already borrowed"); the engine decodes with a copy of its own
     parser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="autotp-parse")
     app.state.parser = parser  # shut down with the server (HttpThread.stop)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
         if exc.status == 413:
-            return closing_response(exc)
+            return closing_response(exc, tgi_api.is_tgi(request.url.path))
+        if tgi_api.is_tgi(request.url.path):
+            return JSONResponse(tgi_api.error_body(exc), status_code=tgi_api.status(exc), headers=exc.headers)
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
-    @app.exception_handler(Exception)  # a bug of ours: still OpenAI-shaped, in one log line
+    @app.exception_handler(Exception)  # a bug of ours: still in the protocol's error shape, in one log line
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         message = clip(f"{type(exc).__name__}: {exc}".splitlines()[0])
         log(f"internal error on {request.method} {clip(request.url.path)}: {message}")
-        return JSONResponse(ApiError(500, message, type="server_error").body(), status_code=500)
+        return await api_error(request, ApiError(500, message, type="server_error"))
 
     @app.exception_handler(HTTPException)  # unknown paths and methods, in the same error shape
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        return JSONResponse(ApiError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
+        return await api_error(request, ApiError(exc.status_code, str(exc.detail)))
+
+    async def parse(request: Request, cid: str, start: float, parse_fn: Callable[[bytes, Served], Parsed]) -> Parsed:
+        try:
+            raw = await read_body(request)
+            return await asyncio.get_running_loop().run_in_executor(parser, parse_fn, raw, served)
+        except ApiError as e:
+            log_request(cid, e.status, start, metrics, error=e.message)
+            raise
+
+    async def answer(request: Request, prefix: str, parse_fn, stream_fn=None):
+        """Check the request, queue its rows, and answer: whole, or as server-sent events."""
+        cid, start = f"{prefix}-{uuid.uuid4().hex[:24]}", time.monotonic()
+        parsed = await parse(request, cid, start, parse_fn)
+        call = Call(cid, start, parsed, metrics)
+        if len(call.jobs) > engine.max_queue:
+            call.log(400, "more rows than the queue holds")
+            raise ApiError(400, f"{len(call.jobs)} prompts and choices in one request exceed the queue of "
+                                f"{engine.max_queue} (--max-queue)", param="prompt")
+        admitted = engine.submit(call.jobs)
+        if admitted == "full":
+            call.log(429, "queue full")
+            raise ApiError(429, f"the server is busy: {engine.max_queue} prompts are waiting already (--max-queue); "
+                                f"retry later", type="requests", code="rate_limit_exceeded",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
+        if admitted == "closed":
+            call.log(503, "shutting down")
+            raise ApiError(503, "the server is shutting down", type="server_error")
+        if parsed.stream:
+            return StreamingResponse((stream_fn or _stream)(call), media_type="text/event-stream")
+        await _collect(request, call)
+        p = call.parsed
+        return JSONResponse(p.answer.body(call.cid, p.rows, call.ordered(), p.prompt_tokens))
 
     @app.get("/health")
     async def health() -> dict:
@@ -98,92 +152,109 @@ def build_app(served: Served, engine: Engine, max_body_bytes: int, allowed_hosts
             raise ApiError(503, "the server is shutting down", type="server_error")
         return {"status": "ok"}
 
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE)
+
     @app.get("/v1/models")
     async def models() -> dict:
-        return models_list(served)
+        return openai_api.models_list(served)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        cid, start = f"cmpl-{uuid.uuid4().hex[:24]}", time.monotonic()
-        try:
-            raw = await read_body(request, max_body_bytes)
-            req = await asyncio.get_running_loop().run_in_executor(parser, parse_completion, raw, served)
-        except ApiError as e:
-            _log_request(cid, e.status, start, error=e.message)
-            raise
-        events: asyncio.Queue[tuple] = asyncio.Queue()
-        loop = asyncio.get_running_loop()
+        return await answer(request, "cmpl", openai_api.parse_completion)
 
-        def emit(event: tuple) -> None:  # from the engine's thread
-            try:
-                loop.call_soon_threadsafe(events.put_nowait, event)
-            except RuntimeError:  # the event loop is gone (shutdown): nobody is waiting any more
-                pass
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await answer(request, "chatcmpl", openai_api.parse_chat)
 
-        jobs = [Job(row, i, emit, TextStream(row.stop) if req.stream else None, cid)
-                for i, row in enumerate(req.rows)]
-        if len(jobs) > engine.max_queue:
-            _log_request(cid, 400, start, req.prompt_tokens, error="more prompts than the queue holds")
-            raise ApiError(400, f"{len(jobs)} prompts in one request exceed the queue of {engine.max_queue} "
-                                f"(--max-queue)", param="prompt")
-        admitted = engine.submit(jobs)
-        if admitted == "full":
-            _log_request(cid, 429, start, req.prompt_tokens, error="queue full")
-            raise ApiError(429, f"the server is busy: {engine.max_queue} prompts are waiting already (--max-queue); "
-                                f"retry later", type="requests", code="rate_limit_exceeded",
-                           headers={"Retry-After": str(RETRY_AFTER_S)})
-        if admitted == "closed":
-            _log_request(cid, 503, start, req.prompt_tokens, error="shutting down")
-            raise ApiError(503, "the server is shutting down", type="server_error")
-        if req.stream:
-            return StreamingResponse(_stream(cid, served, req, jobs, events, start), media_type="text/event-stream")
-        results: dict[int, Result] = {}
-        watcher = asyncio.create_task(_watch_disconnect(request, jobs))
-        try:
-            while len(results) < len(jobs):
-                kind, index, payload = await events.get()
-                if kind == "error":
-                    _log_request(cid, payload[0], start, req.prompt_tokens, results.values(), payload[1])
-                    raise ApiError(*payload, type="server_error")
-                if kind == "done":
-                    results[index] = payload
-        finally:
-            watcher.cancel()
-            if len(results) < len(jobs):
-                _cancel_unfinished(jobs, results)
-        ordered = [results[i] for i in range(len(jobs))]
-        _log_request(cid, 200, start, req.prompt_tokens, ordered)
-        return completion_chunk(cid, served, [choice(i, r.text, r.finish_reason) for i, r in enumerate(ordered)],
-                                usage_of(req.prompt_tokens, ordered))
+    @app.get("/info")
+    async def info() -> dict:
+        return tgi_api.info(served, engine.max_queue)
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        return await answer(request, "tgi", tgi_api.parse_generate)
+
+    @app.post("/generate_stream")
+    async def generate_stream(request: Request):
+        return await answer(request, "tgi", tgi_api.parse_generate_stream, stream_fn=tgi_stream)
+
+    @app.post("/")
+    async def compat(request: Request):  # TGI's route for the Inference API's clients: stream or not
+        return await answer(request, "tgi", tgi_api.parse_compat, stream_fn=tgi_stream)
 
     return app
 
 
-async def _stream(cid: str, served: Served, req: Completion, jobs: list[Job], events: asyncio.Queue, start: float):
-    """Server-sent events as OpenAI sends them: text chunks, one finishing chunk per prompt, [DONE].
-    Starlette closes this generator when the client disconnects: its unfinished jobs are cancelled."""
-    results: dict[int, Result] = {}
-    status, error = 499, "the client went away"  # nginx's code for it, until the stream is complete
+async def _collect(request: Request, call: Call) -> None:
+    """Wait for every row's result; a row's error is the request's error."""
+    watcher = asyncio.create_task(_watch_disconnect(request, call))
     try:
-        while len(results) < len(req.rows):
-            kind, index, payload = await events.get()
-            if kind == "text":
-                yield _sse(completion_chunk(cid, served, [choice(index, payload, None)]))
+        while len(call.results) < len(call.jobs):
+            kind, index, payload = await call.events.get()
+            if kind == "error":
+                call.log(payload[0], payload[1])
+                raise ApiError(*payload, type="server_error")
+            if kind == "done":
+                call.results[index] = payload
+    finally:
+        watcher.cancel()
+        if len(call.results) < len(call.jobs):
+            call.cancel_unfinished()
+    call.log(200)
+
+
+async def _stream(call: Call):
+    """OpenAI's server-sent events: the answer's chunks per token and per finished row, then its end.
+    Starlette closes this generator when the client disconnects: its unfinished jobs are cancelled."""
+    answer, status, error = call.parsed.answer, 499, "the client went away"  # nginx's code, until complete
+    try:
+        for item in answer.start(call.cid, call.parsed.rows):
+            yield _sse(item)
+        while len(call.results) < len(call.jobs):
+            kind, index, payload = await call.events.get()
+            if kind == "token":
+                for item in answer.piece(call.cid, index, payload):
+                    yield _sse(item)
             elif kind == "done":
-                results[index] = payload
-                yield _sse(completion_chunk(cid, served, [choice(index, "", payload.finish_reason)]))
+                call.results[index] = payload
+                for item in answer.finish(call.cid, index, payload):
+                    yield _sse(item)
             else:  # the status line is sent already: the error travels as an event, as OpenAI's does
                 status, error = payload
-                yield _sse(ApiError(status, error, type="server_error").body())
+                yield _sse(answer.error_event(ApiError(status, error, type="server_error")))
                 return
-        if req.include_usage:
-            yield _sse(completion_chunk(cid, served, [], usage_of(req.prompt_tokens, list(results.values()))))
-        yield "data: [DONE]\n\n"
+        for item in answer.end(call.cid, call.ordered(), call.parsed.prompt_tokens):
+            yield _sse(item)
         status, error = 200, ""
     finally:
         if status != 200:
-            _cancel_unfinished(jobs, results)
-        _log_request(cid, status, start, req.prompt_tokens, results.values(), error)
+            call.cancel_unfinished()
+        call.log(status, error)
+
+
+async def tgi_stream(call: Call):
+    """TGI's server-sent events (one row): a token event per token, the last one with the text and details."""
+    answer, status, error = call.parsed.answer, 499, "the client went away"
+    try:
+        while not call.results:
+            kind, _, payload = await call.events.get()
+            if kind == "token":
+                answer.token(payload)
+            elif kind == "done":
+                call.results[0] = payload
+            else:
+                status, error = payload
+                yield f"data: {json.dumps(tgi_api.error_body(ApiError(status, error, type='server_error')))}\n\n"
+                return
+            for item in answer.events(call.parsed.rows[0], call.results.get(0)):
+                yield _sse(item)
+        status, error = 200, ""
+    finally:
+        if status != 200:
+            call.cancel_unfinished()
+        call.log(status, error)
 
 
 def listen(host: str, port: int) -> socket.socket:

@@ -27,10 +27,11 @@ from autotp.errors import AutotpError
 from autotp.generate import context_length
 from autotp.hub import resolve_model_dir
 from autotp.serve import budget
-from autotp.serve.api import Served
+from autotp.serve.boundary import Served
 from autotp.serve.engine import Engine, StopFlag, follow
 from autotp.serve.guard import host_policy
 from autotp.serve.http import HttpThread, build_app, listen
+from autotp.serve.metrics import Metrics
 from autotp.serve.scheduler import Limits
 from autotp.serve.types import log
 from autotp.serve.wire import Channel, Step
@@ -101,6 +102,8 @@ def serve(model: str, model_id: str, opts: ServeOptions = ServeOptions()) -> int
     model_id: the name clients use (a directory's path is shown by its name only)."""
     _stop_with_launcher()
     model_id = public_name(model_id)
+    if opts.api_key is not None and not opts.api_key.strip():
+        raise AutotpError("the API key is empty: give a key, or none to serve without one")
     if opts.max_num_batched_tokens < opts.max_num_seqs:
         raise AutotpError(f"--max-num-batched-tokens {opts.max_num_batched_tokens} is less than --max-num-seqs "
                           f"{opts.max_num_seqs}: every running row decodes one token per step")
@@ -139,8 +142,11 @@ def serve(model: str, model_id: str, opts: ServeOptions = ServeOptions()) -> int
         return follow(net, channel, stopping)
 
     engine = Engine(net, tokenizer, channel, stopping, limits, opts.max_queue)
+    engine.metrics = Metrics(lambda: engine.counts()[0], lambda: engine.counts()[1],
+                             lambda: engine.kv_used() / limits.kv_tokens)
     served = Served(model_id, tokenizer, max_model_len, int(time.time()), limits.kv_tokens)
-    app = build_app(served, engine, opts.max_body_bytes, host_policy(opts.host, opts.allowed_hosts), opts.api_key)
+    app = build_app(served, engine, engine.metrics, opts.max_body_bytes, host_policy(opts.host, opts.allowed_hosts),
+                    opts.api_key)
     http = HttpThread(app, sock, opts.read_timeout)
     try:
         http.start()

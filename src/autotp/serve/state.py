@@ -28,10 +28,17 @@ from autotp.serve.wire import Step
 
 @dataclass
 class Logits:
-    """Last-position scores of one step: (rows, vocab) for each forward that ran, with its row ids."""
+    """The scores one step computed, with the row ids of each forward.
+
+    prefill: (rows, columns, vocab) for the chunk's prompt columns [start, end) when the group keeps every
+    position's scores, else (rows, 1, vocab) for its last column; `first` says the prompt is complete,
+    so prefill[:, -1] gives each row's first token. decode: (rows, vocab)."""
 
     prefill_rows: list[int]
-    prefill: torch.Tensor | None  # only when the prefill completed in this step: each row's first token
+    prefill: torch.Tensor | None
+    start: int
+    end: int
+    first: bool
     decode_rows: list[int]
     decode: torch.Tensor | None
 
@@ -39,8 +46,10 @@ class Logits:
 class Prefill:
     """Admitted prompts, left-padded to one width: ids and mask (rows, width), run `chunk` columns at a time."""
 
-    def __init__(self, rows: list[int], prompts: list[tuple[int, ...]], pad: int, config, device: torch.device):
+    def __init__(self, rows: list[int], prompts: list[tuple[int, ...]], pad: int, config, device: torch.device,
+                 all_logits: bool = False):
         width = max(map(len, prompts))
+        self.all_logits = all_logits  # every column's scores come back, not only the last one's
         self.ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=device)
         self.mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
         # HF's rule for left padding: positions count the row's own tokens; padding sits at position 0
@@ -106,20 +115,20 @@ class Batch:
                 self.prefill = None
         if step.admit:
             rows, prompts = zip(*step.admit, strict=True)
-            self.prefill = Prefill(list(rows), list(prompts), self.pad, self.model.config, self.device)
+            self.prefill = Prefill(list(rows), list(prompts), self.pad, self.model.config, self.device, step.all_logits)
 
     def run(self, step: Step) -> Logits:
         """This step's forwards: raises what a forward raised, with the rows it ran already discarded."""
-        out = Logits([], None, [], None)
+        out = Logits([], None, 0, 0, False, [], None)
         if step.chunk:
             group = self.prefill
+            out.start = group.done
             try:
-                scores = self._prefill(group, step.chunk)
+                out.prefill = self._prefill(group, step.chunk)
             except BaseException:
                 self.prefill = None
                 raise
-            if group.complete:
-                out.prefill_rows, out.prefill = list(group.rows), scores
+            out.prefill_rows, out.end, out.first = list(group.rows), group.done, group.complete
         if step.tokens:
             rows = list(self.running.rows)
             try:
@@ -133,16 +142,19 @@ class Batch:
     def discard(self) -> None:
         self.running = self.prefill = None
 
-    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache,
+                 keep: int = 1) -> torch.Tensor:
+        """(rows, columns) ids -> (rows, keep, vocab) scores of the last `keep` columns (0: all of them)."""
         kwargs = dict(position_ids=positions) if self.takes_positions else {}
         with torch.inference_mode():
-            out = self.model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=1,
+            out = self.model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=keep,
                              **kwargs)
-        return out.logits[:, -1]
+        return out.logits
 
     def _prefill(self, group: Prefill, chunk: int) -> torch.Tensor:
         a, b = group.done, min(group.done + chunk, group.ids.shape[1])
-        scores = self._forward(group.ids[:, a:b], group.mask[:, :b], group.positions[:, a:b], group.batch.cache)
+        scores = self._forward(group.ids[:, a:b], group.mask[:, :b], group.positions[:, a:b], group.batch.cache,
+                               keep=0 if group.all_logits else 1)
         group.batch.mask, group.done = group.mask[:, :b], b
         return scores
 
@@ -152,4 +164,4 @@ class Batch:
             raise RuntimeError(f"step has {len(tokens)} tokens for {len(running.rows)} running rows")
         positions = running.lengths()[:, None]
         ids = torch.tensor(tokens, device=self.device)[:, None]
-        return self._forward(ids, running.grow(1), positions, running.cache)
+        return self._forward(ids, running.grow(1), positions, running.cache)[:, -1]

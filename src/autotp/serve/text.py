@@ -14,6 +14,12 @@ def cut_at_stop(text: str, stop: tuple[str, ...]) -> tuple[str, bool]:
     return (text[:min(hits)], True) if hits else (text, False)
 
 
+def first_stop(text: str, stop: tuple[str, ...]) -> str:
+    """The stop string that occurs first in text ("" if none does): the one `cut_at_stop` cuts at."""
+    hits = [(i, s) for s, i in ((s, text.find(s)) for s in stop) if i >= 0]
+    return min(hits)[1] if hits else ""
+
+
 class TextStream:
     """Streamed text of one row: deltas that never need taking back.
 

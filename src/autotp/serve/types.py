@@ -1,7 +1,7 @@
-"""The plain types every part of `autotp serve` shares: a row of work, a job's result, the log.
+"""The plain types every part of `autotp serve` shares: a row of work, its tokens, a job's result, the log.
 
 A leaf: it imports nothing of autotp and no torch, so the torch-free API boundary (api.py) and the
-torch side (batch.py, engine.py) both build on it without depending on each other.
+torch side (engine.py) both build on it without depending on each other.
 """
 
 from __future__ import annotations
@@ -21,6 +21,29 @@ class Row:
     seed: int
     stop: tuple[str, ...] = ()
     top_k: int = 0  # 0: off
+    logprobs: int | None = None  # each generated token's log-probability and this many alternatives (0-5)
+    prompt_logprobs: bool = False  # also the prompt tokens' (each given the tokens before it)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the model (log-softmax of its scores, before any sampling
+    parameter) and the most likely alternatives at that position, most likely first."""
+
+    id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One generated token as a streaming client gets it: the text it releases (held-back text comes
+    with a later token; the last token releases the rest), whether it is a special token."""
+
+    id: int
+    text: str
+    special: bool
+    logprob: TokenLogprob | None = None
 
 
 @dataclass
@@ -31,6 +54,9 @@ class Result:
     finish_reason: str
     completion_tokens: int
     tokens: tuple[int, ...] = ()  # the generated ids, the one that ended the row included
+    logprobs: tuple[TokenLogprob, ...] = ()  # per generated token, when the row asked for them
+    prompt_logprobs: tuple[TokenLogprob | None, ...] = ()  # per prompt token (the first has none)
+    stopped_by: str = ""  # the stop string that ended it (cut from text), if one did
 
 
 def log(message: str) -> None:

@@ -30,11 +30,9 @@ class Step:
     tokens: tuple[int, ...] = ()  # the next input token of each running row, in batch order (Batch.order_after)
     admit: tuple[tuple[int, tuple[int, ...]], ...] = ()  # a new prefill group: (row id, prompt ids) each
     chunk: int = 0  # prompt columns of the prefill group to run in this step
+    all_logits: bool = False  # with admit: the group's forwards keep every position's scores (prompt logprobs)
     error: str = ""  # how the previous step failed on rank 0 ("" if it did not): every rank must agree
     stop: bool = False  # every rank returns
-
-
-IDLE = Step()
 
 
 class Channel:

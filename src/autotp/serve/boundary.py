@@ -1,0 +1,193 @@
+"""What every protocol checks at the boundary, before a request can reach the engine: the JSON itself,
+the prompt's size and tokens, the sampling parameters, stop strings; and the error a client gets.
+
+No HTTP framework and no torch in here (nor in the protocol modules openai_api.py and tgi_api.py built
+on it): a bad request is refused with an `ApiError` and never touches the ranks. `ApiError.body()` is
+OpenAI's error shape `{"error": {"message", "type", "param", "code"}}`; the TGI routes re-shape it.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from functools import cached_property
+
+from pydantic import BaseModel, ValidationError
+
+from autotp.errors import AutotpError
+from autotp.sampling import SEED_MAX, SamplingError, check_sampling
+from autotp.serve.types import Result, Row
+from autotp.tokenizer import fim_prompt
+
+MAX_STOP = 16  # stop strings: OpenAI allows 4, but Continue sends 7 (its StarCoder template's) to other hosts
+MAX_LOGPROBS = 5  # OpenAI's limit on top log-probabilities for completions
+ECHO_CHARS = 200  # an error message or log line repeats at most this much of what a client sent
+# a token's text is at most `longest token` characters, but a normalizer may shrink the text before it is
+# split (NFC composes base + mark, Hangul jamo compose 3 -> 1): this margin keeps the cheap bound safe
+CHARS_MARGIN = 4
+
+
+def clip(text: str, limit: int = ECHO_CHARS) -> str:
+    """text, or its start and how much was left out: errors and logs never repeat a 5 MB value whole."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error", headers: dict[str, str] | None = None):
+        message, param = clip(message, 2 * ECHO_CHARS), None if param is None else clip(param)
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def invalid(param: str | None, message: str) -> ApiError:
+    return ApiError(400, message, param=param)
+
+
+@dataclass(frozen=True)
+class Served:
+    """What the boundary checks against: the model's name, its tokenizer, the context it may use and the
+    KV cache slots per rank (a row that needs more could never be admitted)."""
+
+    model_id: str
+    tokenizer: object
+    max_model_len: int
+    created: int
+    kv_tokens: int
+
+    @cached_property
+    def max_prompt_chars(self) -> int:
+        """More characters than this cannot fit the context, so they are refused before tokenizing.
+        Vocabulary strings are at least as long as the text they decode to (byte-level BPE: one character
+        per byte; WordPiece adds "##"), so the longest one bounds the characters a token can cover."""
+        longest = max(map(len, self.tokenizer.get_vocab()), default=1)
+        return self.max_model_len * longest * CHARS_MARGIN
+
+
+@dataclass
+class Parsed:
+    """A checked request: its rows (in the order the response lists them) and how to answer it."""
+
+    rows: list[Row]
+    stream: bool
+    answer: object  # the protocol's response builder (openai_api.py, tgi_api.py)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(r.ids) for r in self.rows)
+
+
+def parse_json(raw: bytes) -> dict:
+    """Request bytes -> the JSON object; refuses what neither the tokenizer nor a response could take."""
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ApiError(400, "the request body is not valid JSON: nested too deeply") from None
+    except ValueError as e:  # an integer of more than 4300 digits (Python's int_max_str_digits)
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    try:  # "\ud800" decodes to a lone surrogate, which neither the tokenizer nor a UTF-8 response can take
+        json.dumps(data, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise ApiError(400, "the request body contains a lone UTF-16 surrogate (\\ud800-\\udfff), "
+                            "which is not a character") from None
+    except RecursionError:  # json.loads nests deeper than json.dumps can
+        raise ApiError(400, "the request body is not valid JSON: nested too deeply") from None
+    return data
+
+
+def validate(model: type[BaseModel], data: dict):
+    """data -> model, or an ApiError naming the first field that is wrong ("stream_options.include_usage")."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        # a union reports its member in the location ("prompt", "str"): the field is the first part
+        where = [str(p) for p in first["loc"] if not isinstance(p, int)][:2] if first["loc"] else []
+        param = where[0] if where else None
+        if len(where) > 1 and where[1] not in ("str", "int", "float", "bool", "list[str]", "list[int]"):
+            param = f"{param}.{where[1]}"
+        if first["type"] == "extra_forbidden":
+            raise invalid(param, f"unrecognized request argument: {param}") from None
+        if first["type"] == "missing":
+            raise invalid(param, f"missing required argument: {param}") from None
+        got = clip(json.dumps(first.get("input")))
+        raise invalid(param, f"invalid {param}: {first['msg'].lower()}, got {got}") from None
+
+
+def sampling(served: Served, *, temperature: float, top_p: float, top_k: int, seed: int | None,
+             max_tokens: int, names: dict[str, str] | None = None):
+    """The sampling parameters by autotp.sampling's rules (shared with the CLI); names maps our parameter
+    names to the protocol's (TGI's max_new_tokens)."""
+    names = names or {}
+    try:
+        checked = check_sampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens)
+    except SamplingError as e:
+        name = names.get(e.param, e.param)
+        raise invalid(name, f"{name} {e.rule}, got {e.value}") from None
+    if checked.max_tokens >= served.max_model_len:
+        name = names.get("max_tokens", "max_tokens")
+        raise ApiError(400, f"{name} {checked.max_tokens} leaves no room for a prompt in the context of "
+                            f"{served.max_model_len} tokens", param=name, code="context_length_exceeded")
+    return checked
+
+
+def seeds(seed: int | None, n: int) -> list[int]:
+    """One seed per choice: seed, seed + 1, ... (wrapping into torch's range), or fresh ones."""
+    if seed is None:
+        return [random.SystemRandom().randrange(2**31) for _ in range(n)]
+    return [s - 2**64 if s > SEED_MAX else s for s in (seed + j for j in range(n))]
+
+
+def stop_strings(stop: str | list[str] | None, param: str = "stop") -> tuple[str, ...]:
+    stops = [stop] if isinstance(stop, str) else stop or []
+    if len(stops) > MAX_STOP:
+        raise invalid(param, f"at most {MAX_STOP} stop strings, got {len(stops)}")
+    if any(s == "" for s in stops):
+        raise invalid(param, "stop strings must not be empty")
+    return tuple(stops)
+
+
+def _too_long(served: Served, tokens: str, max_tokens: int, param: str, budget: str) -> ApiError:
+    return ApiError(400, f"prompt of {tokens} tokens + {budget} {max_tokens} exceeds the context of "
+                         f"{served.max_model_len} tokens", param=param, code="context_length_exceeded")
+
+
+def prompt_ids(served: Served, prompt: str, suffix: str | None, max_tokens: int, param: str = "prompt",
+               budget: str = "max_tokens", template: bool = False) -> tuple[int, ...]:
+    """The prompt's token ids (FIM when suffix is given), checked against the context and the KV cache.
+    template: the text came from the chat template, which writes its own special tokens."""
+    chars = len(prompt) + len(suffix or "")
+    if chars > served.max_prompt_chars:  # tokenizing megabytes would hold rank 0's CPU for seconds
+        raise _too_long(served, f"at least {chars // (served.max_prompt_chars // served.max_model_len)}",
+                        max_tokens, param, budget)
+    if suffix is not None:
+        try:
+            prompt = fim_prompt(served.tokenizer, prompt, suffix)
+        except AutotpError:
+            raise invalid("suffix", f"suffix needs fill-in-the-middle tokens, and the tokenizer of "
+                                    f"{served.model_id} lacks them") from None
+    ids = tuple(served.tokenizer(prompt, add_special_tokens=not template).input_ids)
+    if not ids:
+        raise invalid(param, "the prompt is empty")
+    if len(ids) + max_tokens > served.max_model_len:
+        raise _too_long(served, str(len(ids)), max_tokens, param, budget)
+    if len(ids) + max_tokens > served.kv_tokens:
+        raise ApiError(400, f"prompt of {len(ids)} tokens + {budget} {max_tokens} can never fit the KV cache of "
+                            f"{served.kv_tokens} tokens per rank (--kv-cache-memory)", param=param,
+                       code="context_length_exceeded")
+    return ids
+
+
+def usage_of(prompt_tokens: int, results: list[Result]) -> dict:
+    completion_tokens = sum(r.completion_tokens for r in results)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}

@@ -1,0 +1,75 @@
+"""`GET /metrics`: what operators scrape, in Prometheus' text format, named as vLLM names them ("autotp:").
+
+Counted per prompt row (a request with n prompts or n choices is n rows), as vLLM counts sequences:
+
+- autotp:num_requests_running, autotp:num_requests_waiting (gauges, read at scrape time), and
+  autotp:kv_cache_usage_perc (the padded cache's used slots over the KV budget, 0 to 1);
+- autotp:time_to_first_token_seconds, autotp:inter_token_latency_seconds,
+  autotp:e2e_request_latency_seconds (histograms, vLLM's buckets), from the request's arrival;
+- autotp:prompt_tokens_total, autotp:generation_tokens_total (counters, finished rows);
+- autotp:request_success_total{finished_reason="stop"|"length"} (rows), and
+  autotp:request_errors_total{status} (HTTP requests answered 4xx/5xx, 499 for a client that left).
+
+The engine reports from its thread, the HTTP side from the event loop; prometheus_client is thread-safe.
+Each server has a registry of its own (not the process-global one).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+PREFIX = "autotp:"
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+               80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+               960.0, 1920.0, 7680.0)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class Metrics:
+    def __init__(self, running: Callable[[], int], waiting: Callable[[], int], kv_usage: Callable[[], float]):
+        self.registry = r = CollectorRegistry()
+        Gauge(f"{PREFIX}num_requests_running", "Rows decoding or being prefilled.", registry=r).set_function(running)
+        Gauge(f"{PREFIX}num_requests_waiting", "Rows waiting for room.", registry=r).set_function(waiting)
+        Gauge(f"{PREFIX}kv_cache_usage_perc", "Used KV cache slots over the KV budget (1 = full).",
+              registry=r).set_function(kv_usage)
+        self.ttft = Histogram(f"{PREFIX}time_to_first_token_seconds", "From arrival to the first generated token.",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram(f"{PREFIX}inter_token_latency_seconds", "Between two generated tokens of a row.",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram(f"{PREFIX}e2e_request_latency_seconds", "From arrival to the row's last token.",
+                             buckets=E2E_BUCKETS, registry=r)
+        self.prompt_tokens = Counter(f"{PREFIX}prompt_tokens", "Prompt tokens of finished rows.", registry=r)
+        self.generation_tokens = Counter(f"{PREFIX}generation_tokens", "Generated tokens of finished rows.",
+                                         registry=r)
+        self.success = Counter(f"{PREFIX}request_success", "Finished rows, by why they finished.",
+                               ["finished_reason"], registry=r)
+        self.errors = Counter(f"{PREFIX}request_errors", "HTTP requests answered with an error, by status.",
+                              ["status"], registry=r)
+
+    def token(self, arrived: float, previous: float | None) -> float:
+        """A row's new token (from the engine's thread); returns its time, the next call's `previous`."""
+        now = time.monotonic()
+        if previous is None:
+            self.ttft.observe(now - arrived)
+        else:
+            self.itl.observe(now - previous)
+        return now
+
+    def finished(self, arrived: float, reason: str, prompt_tokens: int, generated_tokens: int) -> None:
+        self.e2e.observe(time.monotonic() - arrived)
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(generated_tokens)
+        self.success.labels(finished_reason=reason).inc()
+
+    def answered(self, status: int) -> None:
+        if status >= 400:
+            self.errors.labels(status=str(status)).inc()
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

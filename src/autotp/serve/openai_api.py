@@ -1,0 +1,317 @@
+"""OpenAI's protocol: `POST /v1/completions` and `POST /v1/chat/completions` checked into rows, and the
+answers built from the rows' results, whole or as server-sent events, as OpenAI documents them.
+
+A request with P prompts and n choices is P x n rows; choice index = prompt index x n + j, and choice j
+samples with seed + j. Log-probabilities are the model's own (log-softmax of its scores, before
+temperature, top-k or top-p), as vLLM reports them by default. No torch here.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from pydantic import BaseModel, ConfigDict
+
+from autotp.serve.boundary import (
+    MAX_LOGPROBS,
+    ApiError,
+    Parsed,
+    Served,
+    invalid,
+    parse_json,
+    prompt_ids,
+    sampling,
+    seeds,
+    stop_strings,
+    usage_of,
+    validate,
+)
+from autotp.serve.types import Piece, Result, Row, TokenLogprob
+
+STRICT = ConfigDict(strict=True, extra="forbid")
+
+
+class StreamOptions(BaseModel):
+    model_config = STRICT
+    include_usage: bool = False
+
+
+class Sampled(BaseModel):
+    """The fields both endpoints share. strict: "5" is not an int, 1 is a float, true is no int. Fields of
+    OpenAI's API that autotp does not implement accept only their neutral value, so a client that sends
+    the default still works."""
+
+    model_config = STRICT
+    model: str
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # vLLM's extension: 0 or -1 is off
+    n: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, int] | None = None
+
+
+class CompletionBody(Sampled):
+    prompt: str | list[str]
+    suffix: str | None = None
+    max_tokens: int | None = None
+    echo: bool | None = None
+    logprobs: int | None = None
+    best_of: int | None = None
+
+
+class TextPart(BaseModel):
+    model_config = STRICT
+    type: str
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatBody(Sampled):
+    messages: list[Message]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+
+MAX_N = 16  # choices per prompt: each one is a row
+
+
+def _neutral(body: BaseModel, fields: dict[str, tuple]) -> None:
+    for name, allowed in fields.items():
+        value = getattr(body, name)
+        if value not in allowed:
+            raise invalid(name, f"{name}={value!r} is not supported by autotp serve; leave it out or send "
+                                f"{allowed[-1]!r}")
+
+
+def _common(body: Sampled, served: Served, max_tokens: int | None, default_tokens: int):
+    """The checks both endpoints make: model, neutral fields, n, sampling, stop strings."""
+    if body.model != served.model_id:
+        raise ApiError(404, f"the model {body.model!r} does not exist: this server serves {served.model_id!r}",
+                       param="model", code="model_not_found")
+    _neutral(body, {"presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {})})
+    n = 1 if body.n is None else body.n
+    if not 1 <= n <= MAX_N:
+        raise invalid("n", f"n must be between 1 and {MAX_N}, got {n}")
+    checked = sampling(served, temperature=1.0 if body.temperature is None else body.temperature,
+                       top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed,
+                       top_k=0 if body.top_k in (None, -1) else body.top_k,
+                       max_tokens=default_tokens if max_tokens is None else max_tokens)
+    if body.stream_options is not None and not body.stream:
+        raise invalid("stream_options", "stream_options is only allowed with stream=true")
+    return n, checked, stop_strings(body.stop)
+
+
+def _rows(ids: tuple[int, ...], n: int, checked, stop: tuple[str, ...], logprobs: int | None,
+          prompt_logprobs: bool = False) -> list[Row]:
+    return [Row(ids, checked.max_tokens, checked.temperature, checked.top_p, seed, stop, checked.top_k, logprobs,
+                prompt_logprobs) for seed in seeds(checked.seed, n)]
+
+
+def parse_completion(raw: bytes, served: Served) -> Parsed:
+    """POST /v1/completions bytes -> rows, every parameter checked; raises ApiError."""
+    body = validate(CompletionBody, parse_json(raw))
+    _neutral(body, {"best_of": (None, 1)})
+    n, checked, stop = _common(body, served, body.max_tokens, 16)  # OpenAI's default of 16 tokens
+    if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
+        raise invalid("logprobs", f"logprobs must be between 0 and {MAX_LOGPROBS}, got {body.logprobs}")
+    prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+    if not prompts:
+        raise invalid("prompt", "the prompt list is empty")
+    echo = bool(body.echo)
+    if echo and body.suffix is not None:
+        raise invalid("echo", "echo cannot be combined with suffix")
+    rows = [r for p in prompts for r in _rows(prompt_ids(served, p, body.suffix, checked.max_tokens), n, checked,
+                                               stop, body.logprobs, echo and body.logprobs is not None)]
+    stream = bool(body.stream)
+    usage = stream and body.stream_options is not None and body.stream_options.include_usage
+    return Parsed(rows, stream, Completions(served, [p for p in prompts for _ in range(n)], echo, body.logprobs,
+                                            usage))
+
+
+def _chat_prompt(body: ChatBody, served: Served) -> str:
+    tokenizer = served.tokenizer
+    if not getattr(tokenizer, "chat_template", None):
+        raise invalid("messages", f"the tokenizer of {served.model_id} has no chat template: send the prompt to "
+                                  f"/v1/completions instead")
+    if not body.messages:
+        raise invalid("messages", "the message list is empty")
+    messages = []
+    for m in body.messages:
+        if isinstance(m.content, list):
+            if any(part.type != "text" for part in m.content):
+                raise invalid("messages", "only text content parts are supported")
+            content = "".join(part.text for part in m.content)
+        else:
+            content = m.content or ""
+        messages.append({"role": m.role, "content": content} | ({"name": m.name} if m.name else {}))
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # noqa: BLE001 - the template's own check of the conversation (jinja raise_exception)
+        raise invalid("messages", f"the chat template refused the messages: {e}".splitlines()[0]) from None
+
+
+def parse_chat(raw: bytes, served: Served) -> Parsed:
+    """POST /v1/chat/completions bytes -> rows: the messages through the tokenizer's chat template."""
+    body = validate(ChatBody, parse_json(raw))
+    text = _chat_prompt(body, served)
+    tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    room = min(served.max_model_len, served.kv_tokens)
+    n, checked, stop = _common(body, served, tokens, 1)
+    top = body.top_logprobs
+    if top is not None and not (body.logprobs and 0 <= top <= MAX_LOGPROBS):
+        raise invalid("top_logprobs", f"top_logprobs needs logprobs=true and is between 0 and {MAX_LOGPROBS}, "
+                                      f"got {top}")
+    ids = prompt_ids(served, text, None, checked.max_tokens if tokens is not None else 1, param="messages",
+                     template=True)
+    if tokens is None:  # OpenAI's default: as many as the context leaves
+        checked = replace(checked, max_tokens=room - len(ids))
+    logprobs = (top or 0) if body.logprobs else None
+    stream = bool(body.stream)
+    usage = stream and body.stream_options is not None and body.stream_options.include_usage
+    return Parsed(_rows(ids, n, checked, stop, logprobs), stream, Chat(served, n, logprobs, usage))
+
+
+class Completions:
+    """The answers of /v1/completions: a `text_completion` object, or its chunks."""
+
+    prefix, kind = "cmpl", "text_completion"
+
+    def __init__(self, served: Served, prompts: list[str], echo: bool, logprobs: int | None, usage: bool):
+        self.served, self.prompts, self.echo, self.logprobs, self.usage = served, prompts, echo, logprobs, usage
+        self.pending: dict[int, list[TokenLogprob]] = {}  # streamed log-probabilities not sent yet
+
+    def _object(self, cid: str, choices: list[dict], usage: dict | None = None) -> dict:
+        out = {"id": cid, "object": self.kind, "created": int(time.time()), "model": self.served.model_id,
+               "choices": choices}
+        return out | ({"usage": usage} if usage is not None else {})
+
+    def _choice(self, index: int, text: str, reason: str | None, logprobs: dict | None = None) -> dict:
+        return {"index": index, "text": text, "finish_reason": reason, "logprobs": logprobs}
+
+    def body(self, cid: str, rows: list[Row], results: list[Result], prompt_tokens: int) -> dict:
+        choices = []
+        for i, (row, r) in enumerate(zip(rows, results, strict=True)):
+            text = self.prompts[i] + r.text if self.echo else r.text
+            lp = None
+            if self.logprobs is not None:
+                ids = list(row.ids) + list(r.tokens) if self.echo else list(r.tokens)
+                entries = list(r.prompt_logprobs) + list(r.logprobs) if self.echo else list(r.logprobs)
+                lp = self._logprobs(ids, entries)
+            choices.append(self._choice(i, text, r.finish_reason, lp))
+        return self._object(cid, choices, usage_of(prompt_tokens, results))
+
+    def _logprobs(self, ids: list[int], entries: list[TokenLogprob | None], offset: int = 0) -> dict:
+        """OpenAI's legacy shape: tokens, token_logprobs, top_logprobs (the top N plus the chosen token,
+        as vLLM gives them), text_offset (into this choice's text)."""
+        decode = self.served.tokenizer.decode
+        tokens = [decode([t]) for t in ids]
+        offsets = []
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t)
+        tops = []
+        for t, e in zip(tokens, entries, strict=True):
+            tops.append(None if e is None else {decode([i]): lp for i, lp in e.top} | {t: e.logprob})
+        return {"tokens": tokens, "token_logprobs": [None if e is None else e.logprob for e in entries],
+                "top_logprobs": tops, "text_offset": offsets}
+
+    def start(self, cid: str, rows: list[Row]) -> list[dict]:
+        if not self.echo:
+            return []
+        return [self._object(cid, [self._choice(i, p, None)]) for i, p in enumerate(self.prompts)]
+
+    def piece(self, cid: str, index: int, piece: Piece) -> list[dict]:
+        if piece.logprob is not None:
+            self.pending.setdefault(index, []).append(piece.logprob)
+        if not piece.text:
+            return []
+        return [self._object(cid, [self._choice(index, piece.text, None, self._flush(index))])]
+
+    def _flush(self, index: int) -> dict | None:
+        entries = self.pending.pop(index, [])
+        return self._logprobs([e.id for e in entries], entries) if entries else None
+
+    def finish(self, cid: str, index: int, result: Result) -> list[dict]:
+        return [self._object(cid, [self._choice(index, "", result.finish_reason, self._flush(index))])]
+
+    def end(self, cid: str, results: list[Result], prompt_tokens: int) -> list[dict | str]:
+        tail: list[dict | str] = [self._object(cid, [], usage_of(prompt_tokens, results))] if self.usage else []
+        return [*tail, "[DONE]"]
+
+    def error_event(self, error: ApiError) -> dict:
+        return error.body()
+
+
+class Chat(Completions):
+    """The answers of /v1/chat/completions: a `chat.completion` object, or `chat.completion.chunk`s."""
+
+    prefix = "chatcmpl"
+
+    def __init__(self, served: Served, n: int, logprobs: int | None, usage: bool):
+        super().__init__(served, [], False, logprobs, usage)
+        self.n = n
+
+    def _content(self, entries: list[TokenLogprob]) -> dict:
+        decode = self.served.tokenizer.decode
+
+        def token(i: int, lp: float) -> dict:
+            text = decode([i])
+            return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+        return {"content": [token(e.id, e.logprob) | {"top_logprobs": [token(i, lp) for i, lp in e.top]}
+                            for e in entries]}
+
+    def body(self, cid: str, rows: list[Row], results: list[Result], prompt_tokens: int) -> dict:
+        choices = [{"index": i, "message": {"role": "assistant", "content": r.text},
+                    "logprobs": self._content(list(r.logprobs)) if self.logprobs is not None else None,
+                    "finish_reason": r.finish_reason} for i, r in enumerate(results)]
+        return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": self.served.model_id,
+                "choices": choices, "usage": usage_of(prompt_tokens, results)}
+
+    def _chunk(self, cid: str, choices: list[dict], usage: dict | None = None) -> dict:
+        out = {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()),
+               "model": self.served.model_id, "choices": choices}
+        return out | ({"usage": usage} if usage is not None else {})
+
+    def _delta(self, index: int, delta: dict, reason: str | None, entries: list[TokenLogprob] | None) -> dict:
+        return {"index": index, "delta": delta, "logprobs": self._content(entries) if entries else None,
+                "finish_reason": reason}
+
+    def start(self, cid: str, rows: list[Row]) -> list[dict]:
+        return [self._chunk(cid, [self._delta(i, {"role": "assistant", "content": ""}, None, None)])
+                for i in range(len(rows))]
+
+    def piece(self, cid: str, index: int, piece: Piece) -> list[dict]:
+        if piece.logprob is not None:
+            self.pending.setdefault(index, []).append(piece.logprob)
+        if not piece.text:
+            return []
+        return [self._chunk(cid, [self._delta(index, {"content": piece.text}, None, self.pending.pop(index, None))])]
+
+    def finish(self, cid: str, index: int, result: Result) -> list[dict]:
+        return [self._chunk(cid, [self._delta(index, {}, result.finish_reason, self.pending.pop(index, None))])]
+
+    def end(self, cid: str, results: list[Result], prompt_tokens: int) -> list[dict | str]:
+        tail: list[dict | str] = [self._chunk(cid, [], usage_of(prompt_tokens, results))] if self.usage else []
+        return [*tail, "[DONE]"]
+
+
+def models_list(served: Served) -> dict:
+    return {"object": "list",
+            "data": [{"id": served.model_id, "object": "model", "created": served.created, "owned_by": "autotp"}]}
