@@ -1,8 +1,9 @@
 """`autotp serve` at its limits, as clients see them: a full queue is 429, a request that could never fit
-the KV cache is 400, a prompt longer than the step's token budget is prefilled in chunks.
+the KV cache is 400, a prompt longer than the step's token budget is prefilled in chunks; and chat on a
+model whose tokenizer has no chat template is 400.
 
 One 2-rank server for the module with one sequence slot, a queue of one, 16 tokens per step and a KV
-cache of 64 tokens per rank (the tiny model caches 256 bytes per token on each rank: 2 layers, one
+cache of 96 tokens per rank (the tiny model caches 256 bytes per token on each rank: 2 layers, one
 16-wide K/V head, float32).
 """
 
@@ -10,6 +11,9 @@ import json
 import re
 import subprocess
 import sys
+import threading
+import time
+import urllib.request
 
 import fim_model
 import openai
@@ -26,49 +30,54 @@ def model_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     s = Server(model_dir, tmp_path_factory.mktemp("serve") / "server.log", "--max-num-seqs", "1", "--max-queue", "1",
-               "--max-num-batched-tokens", "16", "--kv-cache-memory", "16KiB")
+               "--max-num-batched-tokens", "16", "--kv-cache-memory", "24KiB")
     yield s
     s.kill()
 
 
 def test_the_budgets_are_announced(server):
-    assert re.search(r"KV cache: 64 tokens per rank \(16\.0 KiB at 256 bytes per token\), less than the context "
+    assert re.search(r"KV cache: 96 tokens per rank \(24\.0 KiB at 256 bytes per token\), less than the context "
                      r"of 128: longer requests are refused", server.text()), server.text()[-2000:]
 
 
 def test_a_request_that_could_never_fit_the_cache_is_400_at_once(server):
     with pytest.raises(openai.BadRequestError) as e:
-        server.client.completions.create(model=server.model_id, prompt="def add(a, b):", max_tokens=60)
-    assert "can never fit the KV cache of 64 tokens per rank" in e.value.message
+        server.client.completions.create(model=server.model_id, prompt="def add(a, b):", max_tokens=92)
+    assert "can never fit the KV cache of 96 tokens per rank" in e.value.message
     assert server.client.completions.create(model=server.model_id, prompt="x", max_tokens=2).usage.completion_tokens
 
 
-def test_past_the_queue_a_request_gets_429_with_retry_after_and_the_admitted_ones_finish(server):
-    running = server.client.completions.create(model=server.model_id, prompt="def f(x):", max_tokens=50,
-                                               temperature=0, stream=True)
-    first = next(iter(running))  # the one sequence slot is taken
-    assert first.choices
-    queued = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
-    import threading
+def waiting(server) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
 
+    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:
+        families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+    return families["autotp:num_requests_waiting"].samples[0].value
+
+
+def test_past_the_queue_a_request_gets_429_with_retry_after_and_the_admitted_ones_finish(server):
+    running = server.client.completions.create(model=server.model_id, prompt="def f(x):", max_tokens=80,
+                                               temperature=0, stream=True)
+    chunks = iter(running)
+    first = next(chunks)  # the one sequence slot is taken
+    queued = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
     result = {}
     waiter = threading.Thread(target=lambda: result.update(r=queued.completions.create(
         model=server.model_id, prompt="x", max_tokens=3)))
     waiter.start()
     try:
-        for _ in range(200):  # until the second request sits in the queue
-            try:
-                server.client.completions.create(model=server.model_id, prompt="y", max_tokens=1)
-            except openai.RateLimitError as e:
-                refused = e
-                break
-        else:
-            pytest.fail("the queue never filled")
+        deadline = time.monotonic() + 30
+        while waiting(server) < 1:  # the second request sits in the queue of one
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        with pytest.raises(openai.RateLimitError) as refused:
+            server.client.completions.create(model=server.model_id, prompt="y", max_tokens=1)
     finally:
-        rest = "".join(c.choices[0].text for c in running if c.choices)
+        rest = "".join(c.choices[0].text for c in chunks if c.choices)
         waiter.join(timeout=60)
-    assert refused.status_code == 429 and refused.response.headers["retry-after"] == "1"
-    assert refused.body["code"] == "rate_limit_exceeded" and "--max-queue" in refused.message
+    e = refused.value
+    assert e.status_code == 429 and e.response.headers["retry-after"] == "1"
+    assert e.body["code"] == "rate_limit_exceeded" and "--max-queue" in e.message
     assert result["r"].usage.completion_tokens == 3 and first.choices[0].text + rest
     assert re.search(r"status=429 ", server.text())
 
@@ -82,3 +91,9 @@ def test_a_prompt_longer_than_a_step_is_prefilled_in_chunks_and_gives_the_unchun
                           "--max-new-tokens", "8", "--json"], capture_output=True, text=True, timeout=120, env=ENV)
     assert cli.returncode == 0, cli.stderr
     assert out.choices[0].text == json.loads(cli.stdout)["text"]
+
+
+def test_chat_without_a_chat_template_is_400(server):
+    with pytest.raises(openai.BadRequestError, match="has no chat template: send the prompt to /v1/completions"):
+        server.client.chat.completions.create(model=server.model_id, messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=2)

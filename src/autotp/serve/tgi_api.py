@@ -176,26 +176,27 @@ class Generation:
         self.pending.append(piece)
 
     def events(self, row: Row, result: Result | None) -> list[dict]:
-        """StreamResponse events for the tokens received so far; the last one carries the text and details."""
+        """StreamResponse events for the tokens received so far; the last token's event waits for the row's
+        result, since it carries the generated text (and the details, when asked for)."""
+        ready = self.pending if result is not None else self.pending[:-1]
+        self.pending = self.pending[len(ready):]
         out = []
-        for n, piece in enumerate(self.pending):
-            last = result is not None and n == len(self.pending) - 1
+        for n, piece in enumerate(ready):
             entry = piece.logprob
             self.sent += 1
-            event = {"index": self.sent, "token": {
-                "id": piece.id, "text": piece.text, "logprob": entry.logprob if entry else None,
-                "special": piece.special}, "generated_text": None, "details": None}
+            event = {"index": self.sent, "token": {"id": piece.id, "text": piece.text,
+                                                   "logprob": entry.logprob if entry else None,
+                                                   "special": piece.special},
+                     "generated_text": None, "details": None}
             if self.top_n and entry is not None:
-                specials = set(self.served.tokenizer.all_special_ids)
-                event["top_tokens"] = self._top(entry, specials)
-            if last:
-                reason = "stop_sequence" if result.stopped_by else FINISH[result.finish_reason]
+                event["top_tokens"] = self._top(entry, set(self.served.tokenizer.all_special_ids))
+            if result is not None and n == len(ready) - 1:
                 event["generated_text"] = self._text(result)
                 if self.details:
+                    reason = "stop_sequence" if result.stopped_by else FINISH[result.finish_reason]
                     event["details"] = {"finish_reason": reason, "generated_tokens": result.completion_tokens,
                                         "seed": self.seed if self.sampled else None, "input_length": len(row.ids)}
             out.append(event)
-        self.pending = []
         return out
 
 

@@ -1,0 +1,327 @@
+"""`autotp serve` for the clients teams already run, driven as those clients drive it.
+
+huggingface_hub's InferenceClient on TGI's API; the openai client's chat and completions with n,
+logprobs and echo, checked against the unsharded model's log-probabilities; /metrics parsed by
+prometheus_client; the request bodies llm-vscode (llm-ls), Continue and Tabby send, byte for byte as
+their sources build them; an editor that cancels its completion on every keystroke; a 413 that reaches
+Python's http.client. One 2-rank server for the module, on a tiny FIM model with a chat template.
+"""
+
+import http.client
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+
+import fim_model
+import openai
+import pytest
+import torch
+from huggingface_hub import InferenceClient
+from huggingface_hub.errors import ValidationError
+from prometheus_client.parser import text_string_to_metric_families
+from serve_harness import ENV, Server
+
+from autotp.generate import generate
+
+PROMPT = "def add(a, b):"
+# fp32 at tp 2: an all-reduce reorders sums, so logits differ by ~1e-5 (see test_parity); log-softmax too
+LOGPROB_ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return fim_model.build(tmp_path_factory.mktemp("fim"), chat_template=fim_model.CHAT_TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    s = Server(model_dir, tmp_path_factory.mktemp("serve") / "server.log")
+    yield s
+    s.kill()
+
+
+@pytest.fixture(scope="module")
+def unsharded(model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(model_dir).eval(), AutoTokenizer.from_pretrained(model_dir)
+
+
+def greedy(unsharded, text: str, n: int) -> tuple[list[int], str]:
+    model, tok = unsharded
+    ids = torch.tensor([tok(text).input_ids])
+    new = generate(model, ids, max_new_tokens=n)[0, ids.shape[1]:].tolist()
+    return new, tok.decode(new, skip_special_tokens=True)
+
+
+def reference_logprobs(unsharded, ids: list[int]) -> torch.Tensor:
+    """(len(ids) - 1, vocab): the log-probabilities of each next token, from one unsharded forward."""
+    model, _ = unsharded
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), dim=-1)
+
+
+def metrics(server) -> dict[str, float]:
+    """Every sample of /metrics, by name{labels}."""
+    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "le")
+            if "le" not in s.labels:
+                out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+    return out
+
+
+def sse(server, path: str, body: dict, **headers) -> list[str]:
+    """The data lines of a server-sent event stream, as a client that reads every line sees them."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json", **headers})
+    response = conn.getresponse()
+    assert response.status == 200, response.read()
+    lines = [line.decode().rstrip("\n") for line in response]
+    conn.close()
+    return [line[len("data:"):].strip() for line in lines if line.startswith("data:")]
+
+
+# --- TGI's API, through huggingface_hub's InferenceClient (it POSTs to the URL it is given: "/") ---
+
+def test_inference_client_text_generation(server, unsharded):
+    client = InferenceClient(base_url=server.url)
+    ids, text = greedy(unsharded, PROMPT, 12)
+    assert client.text_generation(PROMPT, max_new_tokens=12) == PROMPT + text  # "/" prepends, as TGI's does
+    assert client.text_generation(PROMPT, max_new_tokens=12, return_full_text=False) == text
+    out = client.text_generation(PROMPT, max_new_tokens=12, details=True, return_full_text=False)
+    assert out.generated_text == text and out.details.finish_reason == "length"
+    assert out.details.generated_tokens == 12 and [t.id for t in out.details.tokens] == ids
+    expected = reference_logprobs(unsharded, unsharded[1](PROMPT).input_ids + ids)[-12:]
+    got = torch.tensor([t.logprob for t in out.details.tokens])
+    assert torch.allclose(got, expected.gather(1, torch.tensor(ids)[:, None])[:, 0], atol=LOGPROB_ATOL)
+    streamed = list(client.text_generation(PROMPT, max_new_tokens=12, stream=True, details=True,
+                                           return_full_text=False))
+    assert "".join(s.token.text for s in streamed) == text and [s.token.id for s in streamed] == ids
+    assert streamed[-1].generated_text == text and streamed[-1].details.finish_reason == "length"
+    assert all(s.generated_text is None for s in streamed[:-1])
+
+
+def test_inference_client_sampling_stop_and_errors(server):
+    client = InferenceClient(base_url=server.url)
+    sampled = client.text_generation(PROMPT, max_new_tokens=16, do_sample=True, temperature=0.8, seed=5,
+                                     return_full_text=False)
+    oai = server.client.completions.create(model=server.model_id, prompt=PROMPT, max_tokens=16, temperature=0.8,
+                                           seed=5)
+    assert sampled == oai.choices[0].text  # one sampler, whichever protocol asks
+    full = client.text_generation(PROMPT, max_new_tokens=16, return_full_text=False)
+    stop = full[4:7]
+    out = client.text_generation(PROMPT, max_new_tokens=16, stop=[stop], details=True, return_full_text=False)
+    assert out.generated_text == full[:full.find(stop)] + stop  # TGI keeps the stop sequence
+    assert out.details.finish_reason == "stop_sequence"
+    with pytest.raises(ValidationError, match="temperature must be strictly positive"):
+        client.text_generation(PROMPT, max_new_tokens=4, temperature=0.0)
+    with pytest.raises(ValidationError, match="context"):
+        client.text_generation(PROMPT, max_new_tokens=4000)
+
+
+def test_continue_huggingface_tgi_provider(server):
+    """Continue's huggingface-tgi: GET info (model_id, max_input_length), then POST generate_stream."""
+    with urllib.request.urlopen(server.url + "/info", timeout=10) as r:
+        info = json.loads(r.read())
+    assert info["model_id"] == server.model_id and int(info["max_input_length"]) == 127
+    body = {"inputs": "<fim_prefix>def add(a, b):\n    <fim_suffix>\n    return c\n<fim_middle>",
+            "parameters": {"max_new_tokens": 24, "best_of": 1, "temperature": 0.01, "top_p": 0.95,
+                           "presence_penalty": 0, "stop": ["<fim_prefix>", "<fim_suffix>", "<fim_middle>",
+                                                           "<|endoftext|>"]}}
+    events = [json.loads(d) for d in sse(server, "/generate_stream", body)]
+    assert [e["index"] for e in events] == list(range(1, len(events) + 1))
+    assert all(e["generated_text"] is None for e in events[:-1]) and events[-1]["generated_text"] is not None
+    assert events[-1]["generated_text"].startswith("".join(e["token"]["text"] for e in events[:-1]))
+
+
+# --- what editors send ---
+
+def test_llm_vscode_tgi_backend(server):
+    """llm-ls (tgi backend) POSTs llm.requestBody + inputs (its FIM prompt) to /generate, never streaming,
+    and reads generated_text; without a `parameters` object in requestBody it nests one (its bug)."""
+    fim = "<fim_prefix>def add(a, b):\n    <fim_suffix>\n    return c\n<fim_middle>"
+    code, out = server.post({"inputs": fim, "parameters": {"max_new_tokens": 24, "temperature": 0.2, "top_p": 0.95,
+                                                           "return_full_text": False}}, "/generate")
+    assert code == 200 and isinstance(out["generated_text"], str)
+    code, nested = server.post({"inputs": fim, "parameters": {"parameters": {"return_full_text": False}}},
+                               "/generate")
+    assert code == 200 and isinstance(nested["generated_text"], str)
+    greedy_fim = server.client.completions.create(model=server.model_id, prompt="def add(a, b):\n    ",
+                                                  suffix="\n    return c\n", max_tokens=24, temperature=0)
+    code, tgi_greedy = server.post({"inputs": fim, "parameters": {"max_new_tokens": 24}}, "/generate")
+    assert tgi_greedy["generated_text"] == greedy_fim.choices[0].text
+
+
+def test_continue_openai_provider_autocomplete(server):
+    """Continue's openai provider renders its StarCoder FIM template into `prompt` (no suffix) and sends its
+    seven stop strings, temperature 0.01, streaming; it reads choices[0].text of each chunk."""
+    body = {"model": server.model_id, "prompt": "<fim_prefix>def add(a, b):\n    <fim_suffix>\n    return c\n"
+                                                "<fim_middle>", "max_tokens": 24, "temperature": 0.01,
+            "stop": ["<fim_prefix>", "<fim_suffix>", "<fim_middle>", "<file_sep>", "<|endoftext|>", "</fim_middle>",
+                     "</code>"], "stream": True}
+    data = sse(server, "/v1/completions", body, Authorization="Bearer unused", **{"api-key": "unused"})
+    assert data[-1] == "[DONE]"
+    chunks = [json.loads(d) for d in data[:-1]]
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-1] in ("stop", "length")
+
+
+def test_tabby_openai_completion(server):
+    """Tabby's openai/completion sends prompt + suffix (and vllm/completion suffix null), always streaming,
+    and stops reading at the first chunk with a finish_reason: that chunk must come before [DONE]."""
+    for suffix in ("\n    return c\n", None):
+        body = {"model": server.model_id, "prompt": "def add(a, b):\n    ", "suffix": suffix, "max_tokens": 24,
+                "temperature": 0.1, "stream": True, "presence_penalty": 0.0}
+        data = sse(server, "/v1/completions", body)
+        chunks = []
+        for d in data:
+            chunk = json.loads(d)  # Tabby's reader panics on anything but JSON before it has finished
+            chunks.append(chunk)
+            if chunk["choices"][0]["finish_reason"] is not None:
+                break
+        assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+@pytest.mark.timeout(120)
+def test_an_editor_that_cancels_on_every_keystroke(server):
+    """Continue and llm-vscode cancel the completion in flight when the user types on: ten keystrokes, each
+    a FIM request whose stream is dropped after its first chunk; then the last one is read to its end."""
+    line = "    total = a + b"
+    before = metrics(server)
+    for k in range(1, len(line) - 6):
+        stream = server.client.completions.create(model=server.model_id, prompt="def add(a, b):\n" + line[:k],
+                                                  suffix="\n    return total\n", max_tokens=80, temperature=0,
+                                                  stream=True)
+        next(iter(stream))
+        stream.close()
+    last = dict(model=server.model_id, prompt="def add(a, b):\n" + line, suffix="\n    return total\n",
+                max_tokens=20, temperature=0)
+    typed = "".join(c.choices[0].text for c in server.client.completions.create(stream=True, **last) if c.choices)
+    deadline = time.monotonic() + 30
+    while metrics(server)["autotp:num_requests_running"] != 0:  # every cancelled row has left
+        assert time.monotonic() < deadline, server.text()[-2000:]
+        time.sleep(0.1)
+    assert typed == server.client.completions.create(**last).choices[0].text
+    after = metrics(server)
+    cancelled = after.get("autotp:request_errors_total{status=499}", 0) - before.get(
+        "autotp:request_errors_total{status=499}", 0)
+    assert cancelled == len(line) - 7
+
+
+# --- OpenAI's completions and chat, as the openai client sends them ---
+
+def test_n_logprobs_and_echo_against_the_unsharded_model(server, unsharded):
+    _, tok = unsharded
+    ids, text = greedy(unsharded, PROMPT, 8)
+    out = server.client.completions.create(model=server.model_id, prompt=PROMPT, max_tokens=8, temperature=0, n=2,
+                                           logprobs=3, echo=True)
+    assert [c.index for c in out.choices] == [0, 1] and out.choices[0].text == out.choices[1].text == PROMPT + text
+    lp = out.choices[0].logprobs
+    prompt_ids = tok(PROMPT).input_ids
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.tokens == [tok.decode([t]) for t in prompt_ids + ids]
+    expected = reference_logprobs(unsharded, prompt_ids + ids)
+    got = torch.tensor(lp.token_logprobs[1:])
+    assert torch.allclose(got, expected.gather(1, torch.tensor(prompt_ids[1:] + ids)[:, None])[:, 0],
+                          atol=LOGPROB_ATOL)
+    for position, top in enumerate(lp.top_logprobs[1:]):
+        best = expected[position].topk(3)
+        assert {tok.decode([i]) for i in best.indices.tolist()} <= set(top) and len(top) <= 4
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+    assert out.usage.completion_tokens == 16 and out.usage.prompt_tokens == len(prompt_ids) * 2
+
+
+def test_n_sampled_choices_use_consecutive_seeds(server):
+    many = server.client.completions.create(model=server.model_id, prompt=PROMPT, max_tokens=12, temperature=1.0,
+                                            n=3, seed=40)
+    alone = [server.client.completions.create(model=server.model_id, prompt=PROMPT, max_tokens=12, temperature=1.0,
+                                              seed=40 + j).choices[0].text for j in range(3)]
+    assert [c.text for c in many.choices] == alone and len(set(alone)) > 1
+
+
+def test_chat_completions_through_the_openai_client(server, unsharded):
+    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "add two numbers"}]
+    rendered = unsharded[1].apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    plain = server.client.completions.create(model=server.model_id, prompt=rendered, max_tokens=16, temperature=0)
+    chat = server.client.chat.completions.create(model=server.model_id, messages=messages, max_tokens=16,
+                                                 temperature=0, logprobs=True, top_logprobs=2)
+    assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content == plain.choices[0].text
+    assert len(chat.choices[0].logprobs.content) == chat.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 for t in chat.choices[0].logprobs.content)
+    chunks = list(server.client.chat.completions.create(model=server.model_id, messages=messages, max_tokens=16,
+                                                        temperature=0, stream=True,
+                                                        stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == plain.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == plain.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+    with pytest.raises(openai.BadRequestError, match="tools"):
+        server.client.chat.completions.create(model=server.model_id, messages=messages, tools=[
+            {"type": "function", "function": {"name": "f", "parameters": {}}}])
+
+
+# --- operators ---
+
+@pytest.mark.timeout(120)
+def test_metrics_add_up_during_a_load(server, unsharded):
+    before = metrics(server)
+    stream = server.client.completions.create(model=server.model_id, prompt=PROMPT, max_tokens=60, temperature=0,
+                                              stream=True, stream_options={"include_usage": True})
+    chunks = iter(stream)
+    next(chunks)
+    during = metrics(server)
+    streamed = [c.usage for c in chunks if c.usage][0]
+    assert during["autotp:num_requests_running"] >= 1 and 0 < during["autotp:kv_cache_usage_perc"] <= 1
+    outs = [server.client.completions.create(model=server.model_id, prompt=f"def f{i}(x):", max_tokens=5 + i,
+                                             temperature=0) for i in range(4)]
+    with pytest.raises(openai.BadRequestError):
+        server.client.completions.create(model=server.model_id, prompt="x", max_tokens=0)
+    after = metrics(server)
+
+    def grew(name: str) -> float:
+        return after.get(name, 0) - before.get(name, 0)
+
+    usages = [streamed] + [o.usage for o in outs]
+    assert grew("autotp:time_to_first_token_seconds_count") == 5 == grew("autotp:e2e_request_latency_seconds_count")
+    assert grew("autotp:prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
+    assert grew("autotp:generation_tokens_total") == sum(u.completion_tokens for u in usages)
+    assert grew("autotp:inter_token_latency_seconds_count") == sum(u.completion_tokens - 1 for u in usages)
+    reasons = grew("autotp:request_success_total{finished_reason=length}") + grew(
+        "autotp:request_success_total{finished_reason=stop}")
+    assert reasons == 5 and grew("autotp:request_errors_total{status=400}") == 1
+    assert after["autotp:num_requests_running"] == 0 and after["autotp:num_requests_waiting"] == 0
+
+
+# --- what must not break the server ---
+
+def test_a_413_reaches_a_client_that_writes_its_whole_body_first(server):
+    """http.client (like requests) sends the whole body before reading: it saw a reset, not the 413."""
+    body = json.dumps({"model": server.model_id, "prompt": "x" * (3 * 2**20)})
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 413 and "limit of 2097152 bytes" in json.loads(response.read())["error"]["message"]
+    conn.close()
+    assert server.client.completions.create(model=server.model_id, prompt="x", max_tokens=2).usage.completion_tokens
+
+
+@pytest.mark.parametrize("args, env, source", [(["--api-key", ""], {}, "--api-key"),
+                                               ([], {"AUTOTP_API_KEY": ""}, "AUTOTP_API_KEY")])
+def test_an_empty_api_key_is_refused_at_start(model_dir, args, env, source):
+    """--api-key "$KEY" with KEY unset passes '': a server open to anyone would be the silent outcome."""
+    out = subprocess.run([sys.executable, "-m", "autotp", "serve", "--model", model_dir, *args],
+                         capture_output=True, text=True, timeout=60, env={**ENV, **env})
+    assert out.returncode == 2 and out.stderr.strip() == f"autotp: error: {source} is empty: give a key, or leave it " \
+                                                         "out to serve without one", out.stderr
+
+
+def test_the_log_has_one_line_per_request(server):
+    assert re.search(r"tgi-\w+ status=200 prompt_tokens=\d+ generated_tokens=\d+", server.text())
+    assert os.path.exists(server.log)
