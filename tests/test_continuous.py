@@ -210,3 +210,47 @@ def test_a_decode_step_costs_the_forward_and_one_broadcast(pools, saved, tokeniz
     assert len(decode_only) >= 10
     for counts in decode_only:
         assert counts == forward | {"broadcast": 1}, counts
+
+
+def test_a_prompt_cancelled_while_its_chunks_run_leaves_and_the_others_go_on(tokenizer):
+    model = build("llama")
+    engine = engine_for(model, tokenizer, Limits(max_num_seqs=4, max_num_batched_tokens=8, kv_tokens=10_000))
+    g = torch.Generator().manual_seed(3)
+    short = job(torch.randint(0, 101, (4,), generator=g).tolist(), 20, index=0)
+    long = job(torch.randint(0, 101, (45,), generator=g).tolist(), 4, index=1)
+    held = []
+
+    def cancel_mid_prefill(step, e):
+        if e.batch.prefill is not None and 8 < e.batch.prefill.done < 45:
+            long.cancelled = True
+        held.append(e.batch.rows())
+
+    drive(engine, {0: [short], 2: [long]}, on_step=cancel_mid_prefill)
+    gone = next(i for i in range(len(held)) if long.cancelled and len(held[i]) == 1 and i > 3)
+    assert all(len(rows) == 1 for rows in held[gone:]) and long.emit.ended is None
+    x = torch.tensor([short.row.ids])
+    assert tokens_of(short.emit.ended) == generate(model, x, max_new_tokens=20)[0, 4:].tolist()
+
+
+def test_a_forward_that_raises_fails_its_rows_with_500_and_the_engine_goes_on(tokenizer):
+    """The same error on every rank (here: the one rank) fails the rows of that forward; later rows run."""
+    model = build("llama")
+    engine = engine_for(model, tokenizer)
+    boom = {"armed": True}
+
+    def raise_once(module, args, kwargs):
+        if boom["armed"] and kwargs["input_ids"].shape == (2, 1):  # the two-row decode forward
+            boom["armed"] = False
+            raise RuntimeError("injected failure")
+
+    hook = model.model.register_forward_pre_hook(raise_once, with_kwargs=True)
+    try:
+        pair = [job([5, 6, 7], 10, index=0), job([8, 9], 10, index=1)]
+        later = job([5, 6, 7], 10, index=2)
+        drive(engine, {0: pair, 8: [later]})
+    finally:
+        hook.remove()
+    assert [j.emit.ended[0] for j in pair] == ["error", "error"]
+    assert pair[0].emit.ended[2] == (500, "generation failed: RuntimeError: injected failure")
+    x = torch.tensor([later.row.ids])
+    assert tokens_of(later.emit.ended) == generate(model, x, max_new_tokens=10)[0, 3:].tolist()
