@@ -255,10 +255,10 @@ def main(argv: list[str] | None = None) -> int:
 def entry() -> None:
     """`autotp` and `python -m autotp`: run, flush, and leave without the interpreter's teardown.
 
-    At teardown, C++ objects of torch's distributed stack are destroyed in no fixed order, and 1 run in
-    10 to 12 of a 2-rank `autotp generate` aborted there ("terminate called without an active
-    exception", exit -6) after printing its result; 30 runs with os._exit had none. Everything autotp
-    owns is closed by then: the process group in main(), the output by the flushes here."""
+    main() has destroyed the process groups by then, but a gloo group that something still holds keeps its
+    worker threads, and one of those that lets go of a collective's tensor while the interpreter finalizes
+    aborts the process (autotp.distributed._destroy_at_exit): `autotp serve`'s engine holds its control
+    group to the end. os._exit skips finalization; the output is flushed here first."""
     code = main()
     sys.stdout.flush()
     sys.stderr.flush()
