@@ -99,7 +99,7 @@ def cmd_generate(args) -> int:
     import autotp
     from autotp import distributed
     from autotp.api import load_config
-    from autotp.generate import check_ids, generate
+    from autotp.generate import FROM_TOKENIZER, check_ids, check_length, context_limit, context_line, generate
     from autotp.hub import resolve_model_dir
     from autotp.tokenizer import fim_prompt
 
@@ -119,7 +119,12 @@ def cmd_generate(args) -> int:
     ids = torch.tensor([args.input_ids]) if text is None else tokenizer(text, return_tensors="pt").input_ids
     if ids.numel() == 0:
         raise AutotpError("the prompt is empty")
-    check_ids(config, ids)  # generate() checks again; here it fails before the weights are read
+    limit, source = context_limit(config, tokenizer, args.max_model_len)
+    if limit is None or source == FROM_TOKENIZER:  # not the config's own limit: say which rule applied
+        distributed.print0(context_line(limit, source), file=sys.stderr)
+    # generate() checks both again; here they fail before the weights are read
+    check_length(limit, source, ids.shape[-1], args.max_new_tokens)
+    check_ids(config, ids)
 
     model = autotp.from_pretrained(model_dir, dtype=args.dtype, device=args.device, quantize=args.quantize,
                                    group_size=args.group_size)
@@ -128,7 +133,8 @@ def cmd_generate(args) -> int:
     do_sample = args.do_sample and sampling.temperature > 0  # below sampling.GREEDY_BELOW: greedy, as served
     out = generate(model, ids, max_new_tokens=args.max_new_tokens, do_sample=do_sample,
                    temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, num_beams=args.num_beams,
-                   seed=args.seed, tokenizer=tokenizer, stream=not args.json and tokenizer is not None)
+                   seed=args.seed, tokenizer=tokenizer, stream=not args.json and tokenizer is not None,
+                   max_model_len=args.max_model_len)
     new = out[0, ids.shape[-1]:]
     if args.json:
         completion = tokenizer.decode(new, skip_special_tokens=True) if tokenizer is not None else None
@@ -185,6 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--suffix", help="fill in the middle: text after the gap; --prompt is the text before it")
     gen.add_argument("--tokenizer", help="tokenizer directory (default: the model's)")
     gen.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate (default 64)")
+    gen.add_argument("--max-model-len", type=positive_int,
+                     help="prompt + new tokens at most (default: the config's position limit, else the tokenizer's "
+                          "model_max_length, else none)")
     gen.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     gen.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
@@ -207,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                                     "(default 8000)")
     srv.add_argument("--max-batch-size", type=positive_int, default=16, help="prompts per batch (default 16)")
     srv.add_argument("--max-model-len", type=positive_int, help="prompt + completion tokens per request "
-                                                                "(default: the model's context)")
+                                                                "(default: the model's context, as for generate)")
     srv.add_argument("--dtype", choices=DTYPE_CHOICES, help="weights dtype (default: as stored)")
     add_quantize_flags(srv)
     srv.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available, else cpu")

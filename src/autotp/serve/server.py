@@ -23,7 +23,7 @@ import autotp
 from autotp import distributed
 from autotp.api import load_config
 from autotp.errors import AutotpError
-from autotp.generate import context_length
+from autotp.generate import context_limit
 from autotp.hub import resolve_model_dir
 from autotp.serve.api import Served
 from autotp.serve.engine import Control, Engine, StopFlag, follow
@@ -75,11 +75,12 @@ def serve(model: str, model_id: str, host: str = "127.0.0.1", port: int = 8000, 
         raise AutotpError(error)
 
     model_dir = resolve_model_dir(model)
-    limit = context_length(load_config(model_dir))
-    if max_model_len is not None and max_model_len > limit:
-        raise AutotpError(f"--max-model-len {max_model_len} exceeds the model's context of {limit} positions")
+    config = load_config(model_dir)
     tokenizer = load_tokenizer(model_dir, missing="autotp serve needs a tokenizer, and none loads from {source} "
                                                   "({cause})")
+    max_model_len, source = context_limit(config, tokenizer, max_model_len)
+    if max_model_len is None:
+        raise AutotpError(f"autotp serve needs a context limit: {source}; give --max-model-len")
     net = autotp.from_pretrained(model_dir, dtype=dtype, device=device, quantize=quantize, group_size=group_size)
     if env.group is not None:
         # ranks finish loading at different times: wait here under the process group's long timeout
@@ -92,7 +93,6 @@ def serve(model: str, model_id: str, host: str = "127.0.0.1", port: int = 8000, 
     if env.rank != 0:
         return follow(net, tokenizer, control, stopping)
 
-    max_model_len = max_model_len or limit
     engine = Engine(net, tokenizer, control, stopping, max_batch_size, max_model_len)
     app = build_app(Served(model_id, tokenizer, max_model_len, int(time.time())), engine, max_body_bytes,
                     host_policy(host, allowed_hosts), api_key)
