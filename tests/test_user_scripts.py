@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from pool import RankError, free_port
-from standin_hub import StandinHub
+from standin_hub import SilentHub, StandinHub
 from tasks import downloader_without_local_rank, user_generate, user_pipeline
 
 import autotp
@@ -183,3 +183,32 @@ def test_a_rank_that_never_starts_is_named_not_waited_for(tmp_path):
         f"autotp: waiting for 1 of 2 ranks at 127.0.0.1:{port}",
         f"autotp: error: only 1 of 2 ranks joined at 127.0.0.1:{port} within 8 s (AUTOTP_RENDEZVOUS_TIMEOUT): "
         "start all 2 processes, e.g. with torchrun --nproc-per-node 2"]
+
+
+def _silent_hub_line(hub: SilentHub, repo_id: str, timeout_s: int) -> str:
+    return (f"autotp: error: the hub at {hub.url} sent nothing for {timeout_s} s while fetching {repo_id!r} "
+            "(AUTOTP_HUB_TIMEOUT; HF_ENDPOINT names the hub, HF_HUB_OFFLINE=1 uses the cache only)")
+
+
+def test_a_hub_that_never_answers_is_one_line_naming_it(tmp_path, family_checkpoint):
+    """A proxy that takes connections and then stalls: huggingface_hub's repo_info waits forever on it. `autotp
+    plan`, `autotp generate` at tp 2 and a --tokenizer hub id each stop with one line naming the endpoint."""
+    with SilentHub() as hub:
+        env = {**_hub_env(hub, tmp_path / "hf"), "AUTOTP_HUB_TIMEOUT": "3", "OMP_NUM_THREADS": "1"}
+        runs = {
+            "plan": subprocess.run([sys.executable, "-m", "autotp", "plan", "--model", "org/name", "--tp", "2"],
+                                   env=env, capture_output=True, text=True, timeout=60),
+            "generate": torchrun(2, "-m", "autotp", "generate", "--model", "org/name", "--input-ids", "1,2",
+                                 env=env, timeout=60),
+            "tokenizer": subprocess.run([sys.executable, "-m", "autotp", "generate", "--model",
+                                         family_checkpoint("gpt2")[0], "--tokenizer", "org/tok", "--prompt", "x"],
+                                        env=env, capture_output=True, text=True, timeout=60),
+        }
+        assert hub.connections >= 3
+    for what, run in runs.items():
+        lines = [line for line in run.stderr.splitlines() if line.startswith("autotp: error")]
+        repo_id = "org/tok" if what == "tokenizer" else "org/name"
+        assert run.returncode != 0 and lines == [_silent_hub_line(hub, repo_id, 3)], (what, run.stderr[-3000:])
+    from autotp.hub import HUB_TIMEOUT_S
+
+    assert HUB_TIMEOUT_S <= 30  # by default the line comes within a minute; the test sets 3 s

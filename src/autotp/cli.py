@@ -73,12 +73,15 @@ def cmd_plan(args) -> int:
 
 
 def _tokenizer(args, model_dir):
-    """The tokenizer; None where none loads and none is needed (--input-ids on a tokenizer-less checkpoint)."""
+    """The tokenizer; None where none loads and none is needed (--input-ids on a tokenizer-less checkpoint).
+    A --tokenizer hub id is fetched like a model (autotp.hub: once per node, under the hub timeout)."""
+    from autotp.hub import TOKENIZER_FILES, resolve_model_dir
     from autotp.tokenizer import load_tokenizer
 
     needed = args.tokenizer or args.prompt is not None
     missing = "cannot load a tokenizer from {source} ({cause}): give --tokenizer, or the prompt as --input-ids"
-    return load_tokenizer(args.tokenizer or model_dir, missing if needed else None)
+    source = resolve_model_dir(args.tokenizer, TOKENIZER_FILES) if args.tokenizer else model_dir
+    return load_tokenizer(str(source), missing if needed else None)
 
 
 def _sampling(args):
