@@ -1,3 +1,4 @@
+import families
 import pytest
 from checkpoints import CONFIGS, build, reference, save
 from pool import RankPool
@@ -35,3 +36,21 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="session")
 def config_names():
     return list(CONFIGS)
+
+
+@pytest.fixture(scope="session")
+def family_checkpoint(tmp_path_factory):
+    """family_checkpoint(name) -> (directory, unsharded reference outputs) of tests/families.py's tiny random
+    checkpoint of family `name` (as save_pretrained writes it: config.json and safetensors, no tokenizer files),
+    built once per session. The outputs: PROMPT's logits, the greedy continuation, and the state dict."""
+    made: dict[str, tuple[str, dict]] = {}
+
+    def get(name: str) -> tuple[str, dict]:
+        if name not in made:
+            model = families.build(name)
+            directory = tmp_path_factory.mktemp(name)
+            families.save(name, model, directory)
+            made[name] = (str(directory), families.reference(model) | {"state": model.state_dict()})
+        return made[name]
+
+    return get

@@ -69,15 +69,18 @@ def run_on_ranks(model, tokenizer, make_arrivals, limits: Limits = ROOMY) -> lis
     import torch.distributed as dist
 
     channel = Channel()
-    if dist.get_rank() != 0:
-        assert follow(model, channel, StopFlag()) == 0
-        return None
-    engine = Engine(model, tokenizer, channel, StopFlag(), limits, 256)
-    arrivals = make_arrivals()
-    with torch.inference_mode():
-        drive(engine, arrivals)
-    channel.send(Step(stop=True))
-    return [(j.emit.ended, j.emit.streamed) for js in arrivals.values() for j in js]
+    try:
+        if dist.get_rank() != 0:
+            assert follow(model, channel, StopFlag()) == 0
+            return None
+        engine = Engine(model, tokenizer, channel, StopFlag(), limits, 256)
+        arrivals = make_arrivals()
+        with torch.inference_mode():
+            drive(engine, arrivals)
+        channel.send(Step(stop=True))
+        return [(j.emit.ended, j.emit.streamed) for js in arrivals.values() for j in js]
+    finally:
+        channel.close()
 
 
 def serve_rows(model_dir: str, tokenizer_dir: str, prompts: list[list[int]], spec: list[tuple],
@@ -154,6 +157,7 @@ def step_collectives(model_dir: str, tokenizer_dir: str) -> dict | None:
     channel = Channel()
     if dist_module().get_rank() != 0:
         assert follow(model, channel, StopFlag()) == 0
+        channel.close()
         return None
     engine = Engine(model, tokenizer, channel, StopFlag(), ROOMY, 256)
     sent: list[Step] = []
@@ -168,4 +172,5 @@ def step_collectives(model_dir: str, tokenizer_dir: str) -> dict | None:
             engine.step()
             steps.append((bool(sent[-1].chunk), bool(sent[-1].tokens), counter.take()))
     channel.send(Step(stop=True))
+    channel.close()
     return {"forward": forward, "steps": steps}

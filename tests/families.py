@@ -16,7 +16,11 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import autotp
 
 COMMON = dict(num_hidden_layers=2, vocab_size=101, bos_token_id=None, eos_token_id=None, pad_token_id=None,
-              max_position_embeddings=64, tie_word_embeddings=False)
+              tie_word_embeddings=False)
+# Every config's own position limit, 64: max_position_embeddings, which GPT-2-style configs map to n_positions,
+# except BLOOM's, which has none (ALiBi), and MPT's, which is max_seq_len (set below)
+POSITIONS = dict(max_position_embeddings=64)
+NO_MAX_POSITION_EMBEDDINGS = ("bloom", "mpt")
 LLAMA_LIKE = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, intermediate_size=90)
 
 # name -> (model_type, config overrides). The name is the family, or family_variant for a second layout.
@@ -71,7 +75,8 @@ NEW_TOKENS = 16
 
 def config(name: str):
     model_type, overrides = FAMILIES[name]
-    return AutoConfig.for_model(model_type, **(COMMON | overrides))
+    positions = {} if model_type in NO_MAX_POSITION_EMBEDDINGS else POSITIONS
+    return AutoConfig.for_model(model_type, **(COMMON | positions | overrides))
 
 
 def build(name: str):

@@ -19,6 +19,8 @@ setting os.environ in a process that has already imported it changes nothing: pu
 HF_HOME and no HF_HUB_OFFLINE in the environment of the subprocess that downloads (e.g. `torchrun ... -m autotp
 generate --model org/name`).
 
+`SilentHub` is the other kind of hub: one that accepts connections and never answers (a broken proxy).
+
 As a script, for a test that wants the hub in its own process: `python tests/standin_hub.py --repo
 org/name=/path/to/dir [--delay 10]` prints the URL as its first stdout line and serves until killed.
 """
@@ -28,6 +30,7 @@ import hashlib
 import json
 import math
 import re
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -86,6 +89,37 @@ class StandinHub:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class SilentHub:
+    """Accepts every connection on 127.0.0.1 at `url` and never reads or answers, holding each open until close():
+    what a client sees behind a proxy that takes connections and then stalls. `connections` counts them."""
+
+    def __init__(self):
+        self._server = socket.create_server(("127.0.0.1", 0), backlog=64)
+        self.url = f"http://127.0.0.1:{self._server.getsockname()[1]}"
+        self._held: list[socket.socket] = []
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+
+    @property
+    def connections(self) -> int:
+        return len(self._held)
+
+    def _accept(self):
+        while True:
+            try:
+                self._held.append(self._server.accept()[0])
+            except OSError:  # closed
+                return
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._server.close()
+        for conn in self._held:
+            conn.close()
 
 
 class _Handler(BaseHTTPRequestHandler):

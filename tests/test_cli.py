@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from checkpoints import PROMPT, word_tokenizer
+from families import FAMILIES
 from pool import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -184,6 +185,70 @@ def test_an_error_raised_by_transformers_on_every_rank_is_printed_once(tmp_path,
     shutil.copytree(checkpoint("mqa12")[0], model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     (model_dir / "config.json").write_text(json.dumps(config | {"activation_function": "gelu_typo"}))
-    out = torchrun(2, "generate", "--model", str(model_dir), "--input-ids", "1,2")
+    out = torchrun(2, "generate", "--model", str(model_dir), "--input-ids", "1,2", "--max-new-tokens", "8")
     assert out.returncode != 0
     assert error_lines(out.stderr) == ["autotp: error: KeyError: 'gelu_typo'"], out.stderr
+
+
+def test_plan_of_every_familys_checkpoint(family_checkpoint, capsys):
+    """`autotp plan` on each family's tiny checkpoint (config.json and safetensors, no tokenizer), tables and JSON."""
+    from autotp.cli import main
+
+    for name in FAMILIES:
+        model_dir, _ = family_checkpoint(name)
+        assert main(["plan", "--model", model_dir, "--tp", "3", "--json"]) == 0, name
+        report = json.loads(capsys.readouterr().out)
+        assert report["family"] == FAMILIES[name][0] and report["checkpoint_headers"], name
+        assert [r["rank"] for r in report["ranks"]] == [0, 1, 2], name
+        assert report["plan_source"] == ("inferred" if name == "granite" else "built-in"), name
+        assert main(["plan", "--model", model_dir, "--tp", "3"]) == 0, name
+        assert capsys.readouterr().out.startswith(f"{model_dir}: {FAMILIES[name][0]} ("), name
+
+
+def test_generate_on_every_familys_checkpoint_matches_the_unsharded_model(tmp_path, family_checkpoint):
+    """`autotp generate --input-ids ... --json` at tp 3 on each family's tiny checkpoint, all in one torchrun
+    (tests/family_cli.py): greedy ids equal the unsharded HF model's, no text (there is no tokenizer), and
+    BLOOM, whose config has no position limit, runs with none and says so."""
+    checkpoints = {name: family_checkpoint(name) for name in FAMILIES}
+    ids = ",".join(map(str, PROMPT[0]))
+    out = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port",
+               str(free_port()), str(ROOT / "tests" / "family_cli.py"), str(tmp_path),
+               *[f"{name}={d}" for name, (d, _) in checkpoints.items()],
+               "--", "--input-ids", ids, "--max-new-tokens", "16", "--json"], timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for name, (_, ref) in checkpoints.items():
+        result = json.loads((tmp_path / f"{name}.json").read_text())
+        assert result["code"] == 0, (name, result["stderr"])
+        assert json.loads(result["stdout"]) == {"output_ids": ref["greedy"], "text": None}, name
+        notes = [line for line in result["stderr"].splitlines() if line.startswith("autotp: ")]
+        if name == "bloom":
+            assert notes == ["autotp: no context limit: bloom has no position limit in its config (n_positions, "
+                             "max_position_embeddings, n_ctx, seq_length, max_seq_len) and there is no tokenizer; "
+                             "--max-model-len sets one"], result["stderr"]
+        else:
+            assert not [line for line in notes if "context" in line or "error" in line], (name, notes)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_a_prompt_without_tokenizer_files_is_refused_alike_for_every_family(family_checkpoint, capsys, name):
+    """transformers 5 builds an empty tokenizer (special tokens only) for some families' directories without
+    tokenizer files: `--prompt` must get the same answer as where none loads at all, before any weight is read."""
+    from autotp.cli import main
+
+    model_dir, _ = family_checkpoint(name)
+    assert main(["generate", "--model", model_dir, "--prompt", "def add(a, b):"]) == 2
+    [line] = error_lines(capsys.readouterr().err)
+    assert line.startswith(f"autotp: error: cannot load a tokenizer from {model_dir} (")
+    assert line.endswith("): give --tokenizer, or the prompt as --input-ids")
+
+
+def test_serve_refuses_to_start_without_a_tokenizer(family_checkpoint, capsys):
+    """MPT's directory without tokenizer files gets an empty GPTNeoXTokenizer: serve used to start with it and
+    answer every request 400 "the prompt is empty"."""
+    from autotp.cli import main
+
+    model_dir, _ = family_checkpoint("mpt")
+    assert main(["serve", "--model", model_dir, "--port", "0"]) == 2
+    assert error_lines(capsys.readouterr().err) == [
+        f"autotp: error: autotp serve needs a tokenizer, and none loads from {model_dir} (no tokenizer files: "
+        "transformers built an empty GPTNeoXTokenizer)"]

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from families import FAMILIES, GLOBAL_SIZES, build, config, rank_outputs, reference, save, save_fused
+from families import FAMILIES, GLOBAL_SIZES, build, config, rank_outputs, reference, save_fused
 from safetensors.torch import load_file
 from test_parity import LOGIT_ATOL
 
@@ -13,22 +13,6 @@ from autotp.plans import builtin_plans, plan_for
 from autotp.plans.infer import infer_plan
 from autotp.report import plan_report
 from autotp.skeleton import skeleton
-
-
-@pytest.fixture(scope="session")
-def family_checkpoint(tmp_path_factory):
-    """family_checkpoint(name) -> (directory, unsharded reference outputs), built once per session."""
-    made: dict[str, tuple[str, dict]] = {}
-
-    def get(name: str) -> tuple[str, dict]:
-        if name not in made:
-            model = build(name)
-            directory = tmp_path_factory.mktemp(name)
-            save(name, model, directory)
-            made[name] = (str(directory), reference(model) | {"state": model.state_dict()})
-        return made[name]
-
-    return get
 
 
 @pytest.mark.parametrize("tp", [2, 3, 4])

@@ -165,6 +165,29 @@ def test_quantization_errors_name_the_choice(call, message):
         call()
 
 
+@pytest.mark.parametrize("entry", ["from_pretrained", "init_inference"])
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(quantize="int4", group_size=32.0), "group_size must be an int, got float 32.0"),
+    (dict(quantize="int4", group_size=True), "group_size must be an int, got bool True"),
+    (dict(quantize="int4", group_size="32"), "group_size must be an int, got str '32'"),
+    (dict(quantize=["int8"]), r"unknown quantization \['int8'\]: choose one of int8, int4"),
+    (dict(quantize=8), "unknown quantization 8: choose one of int8, int4"),
+])
+def test_quantize_arguments_of_the_wrong_type_are_refused_at_the_entry_points(entry, kwargs, message):
+    """A float group size passes `32.0 in (32, ...)`: refused by type, before anything is loaded (on the demo
+    model, whose layers int4 quantizes in groups of 32, it used to reach the loader and raise a TypeError)."""
+    from transformers import AutoModelForCausalLM
+
+    import autotp
+    from autotp.cli import default_model
+
+    with pytest.raises(AutotpError, match=message):
+        if entry == "from_pretrained":
+            autotp.from_pretrained(default_model(), **kwargs)
+        else:
+            autotp.init_inference(AutoModelForCausalLM.from_pretrained(default_model()), **kwargs)
+
+
 def test_packing_in_chunks_of_64_rows_is_packing_whole():
     q = torch.randint(0, 16, (192, 128), dtype=torch.uint8)
     whole = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)

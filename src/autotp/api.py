@@ -16,6 +16,7 @@ from torch import nn
 from tqdm import tqdm
 
 from autotp import deepspeed_compat, distributed
+from autotp.collectives import GroupRef
 from autotp.deepspeed_compat import InferenceEngine
 from autotp.errors import AutotpError
 from autotp.guard import InputGuard
@@ -105,7 +106,7 @@ def from_pretrained(model: str | os.PathLike, dtype: str | torch.dtype | None = 
             return weight
         return ckpt.read(param.key, shard, dtype if meta.is_floating_point() else None).to(env.device)
 
-    parallelize(net, layout, env.rank, env.group, read)
+    parallelize(net, layout, env.rank, GroupRef.of(env.group), read)
     progress.close()
     net.to(env.device)
     net.autotp = ShardInfo(plan.family, tp, env.rank, _param_bytes(net), ckpt.bytes_read)
@@ -128,7 +129,8 @@ def _finish(model: nn.Module, env: distributed.Dist, check_inputs: bool) -> None
     unseeded sampling agrees), and the guard against ranks that feed different inputs anyway."""
     distributed.sync_random_state(env)
     if check_inputs and env.group is not None:
-        model.register_forward_pre_hook(InputGuard(env.group, distributed.wire_device(env)), with_kwargs=True)
+        guard = InputGuard(GroupRef.of(env.group), distributed.wire_device(env))
+        model.register_forward_pre_hook(guard, with_kwargs=True)
 
 
 def init_inference(model: nn.Module, mp_size: int | None = None, tensor_parallel=None,
@@ -162,7 +164,7 @@ def init_inference(model: nn.Module, mp_size: int | None = None, tensor_parallel
             tensor = tensor.to(dtype)
         return tensor.to(env.device)
 
-    parallelize(model, layout, env.rank, env.group, take)
+    parallelize(model, layout, env.rank, GroupRef.of(env.group), take)
     model.to(env.device)
     model.autotp = ShardInfo(plan.family, tp, env.rank, _param_bytes(model))
     _finish(model, env, check_inputs)

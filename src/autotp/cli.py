@@ -76,12 +76,15 @@ def cmd_plan(args) -> int:
 
 
 def _tokenizer(args, model_dir):
-    """The tokenizer; None where none loads and none is needed (--input-ids on a tokenizer-less checkpoint)."""
+    """The tokenizer; None where none loads and none is needed (--input-ids on a tokenizer-less checkpoint).
+    A --tokenizer hub id is fetched like a model (autotp.hub: once per node, under the hub timeout)."""
+    from autotp.hub import TOKENIZER_FILES, resolve_model_dir
     from autotp.tokenizer import load_tokenizer
 
     needed = args.tokenizer or args.prompt is not None
     missing = "cannot load a tokenizer from {source} ({cause}): give --tokenizer, or the prompt as --input-ids"
-    return load_tokenizer(args.tokenizer or model_dir, missing if needed else None)
+    source = resolve_model_dir(args.tokenizer, TOKENIZER_FILES) if args.tokenizer else model_dir
+    return load_tokenizer(str(source), missing if needed else None)
 
 
 def _sampling(args):
@@ -102,7 +105,7 @@ def cmd_generate(args) -> int:
     import autotp
     from autotp import distributed
     from autotp.api import load_config
-    from autotp.generate import check_ids, generate
+    from autotp.generate import FROM_TOKENIZER, check_ids, check_length, context_limit, context_line, generate
     from autotp.hub import resolve_model_dir
     from autotp.tokenizer import fim_prompt
 
@@ -122,7 +125,12 @@ def cmd_generate(args) -> int:
     ids = torch.tensor([args.input_ids]) if text is None else tokenizer(text, return_tensors="pt").input_ids
     if ids.numel() == 0:
         raise AutotpError("the prompt is empty")
-    check_ids(config, ids)  # generate() checks again; here it fails before the weights are read
+    limit, source = context_limit(config, tokenizer, args.max_model_len)
+    if limit is None or source == FROM_TOKENIZER:  # not the config's own limit: say which rule applied
+        distributed.print0(context_line(limit, source), file=sys.stderr)
+    # generate() checks both again; here they fail before the weights are read
+    check_length(limit, source, ids.shape[-1], args.max_new_tokens)
+    check_ids(config, ids)
 
     model = autotp.from_pretrained(model_dir, dtype=args.dtype, device=args.device, quantize=args.quantize,
                                    group_size=args.group_size)
@@ -131,8 +139,8 @@ def cmd_generate(args) -> int:
     do_sample = args.do_sample and sampling.temperature > 0  # below sampling.GREEDY_BELOW: greedy, as served
     out = generate(model, ids, max_new_tokens=args.max_new_tokens, do_sample=do_sample,
                    temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                   num_beams=args.num_beams,
-                   seed=args.seed, tokenizer=tokenizer, stream=not args.json and tokenizer is not None)
+                   num_beams=args.num_beams, seed=args.seed, tokenizer=tokenizer,
+                   stream=not args.json and tokenizer is not None, max_model_len=args.max_model_len)
     new = out[0, ids.shape[-1]:]
     if args.json:
         completion = tokenizer.decode(new, skip_special_tokens=True) if tokenizer is not None else None
@@ -209,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--suffix", help="fill in the middle: text after the gap; --prompt is the text before it")
     gen.add_argument("--tokenizer", help="tokenizer directory (default: the model's)")
     gen.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate (default 64)")
+    gen.add_argument("--max-model-len", type=positive_int,
+                     help="prompt + new tokens at most (default: the config's position limit, else the tokenizer's "
+                          "model_max_length, else none)")
     gen.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     gen.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
@@ -241,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-queue", type=positive_int, default=256,
                      help="prompts waiting for room; past it requests get 429 (default 256)")
     srv.add_argument("--max-model-len", type=positive_int, help="prompt + completion tokens per request "
-                                                                "(default: the model's context)")
+                                                                "(default: the model's context, as for generate)")
     srv.add_argument("--dtype", choices=DTYPE_CHOICES, help="weights dtype (default: as stored)")
     add_quantize_flags(srv)
     srv.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available, else cpu")
@@ -289,10 +300,10 @@ def main(argv: list[str] | None = None) -> int:
 def entry() -> None:
     """`autotp` and `python -m autotp`: run, flush, and leave without the interpreter's teardown.
 
-    At teardown, C++ objects of torch's distributed stack are destroyed in no fixed order, and 1 run in
-    10 to 12 of a 2-rank `autotp generate` aborted there ("terminate called without an active
-    exception", exit -6) after printing its result; 30 runs with os._exit had none. Everything autotp
-    owns is closed by then: the process group in main(), the output by the flushes here."""
+    main() has destroyed the process groups by then, but a gloo group that something still holds keeps its
+    worker threads, and one of those that lets go of a collective's tensor while the interpreter finalizes
+    aborts the process (autotp.distributed._destroy_at_exit): `autotp serve`'s engine holds its control
+    group to the end. os._exit skips finalization; the output is flushed here first."""
     code = main()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -5,34 +5,60 @@ which return new tensors and keep the sharded model traceable without graph brea
 are the plain in-place `torch.distributed` calls: measured on 2 CPU ranks (gloo), a 2048-float
 all-reduce took 102 us in place against 283 us through the functional wrapper and its wait, 5-11% of a
 starcoderbase-1b decode step at tp 2. Both are the identity on a single rank, so tp 1 pays nothing.
+
+The sharded model names its process group (`GroupRef`) instead of holding it, as DeviceMesh does.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 # torch 2.13 renamed all_gather_into_tensor (and warns on the old name); older releases lack the new one.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def group_size(group: dist.ProcessGroup | None) -> int:
-    return 1 if group is None else dist.get_world_size(group)
+@dataclass(frozen=True)
+class GroupRef:
+    """A process group by its name (and size), looked up at each collective (0.15 us).
+
+    A sharded model lives as long as the user's script, often until the interpreter exits. Were its
+    layers to hold the ProcessGroup itself, `destroy_process_group` could not free it: gloo's worker
+    threads would live on, and one that drops its last reference to a collective's tensor after
+    interpreter finalization has begun needs the GIL, cannot have it, and aborts the process
+    (autotp.distributed.init says more). By name, destroying the group frees it and joins its threads."""
+
+    name: str
+    size: int
+
+    @staticmethod
+    def of(group: dist.ProcessGroup | None) -> GroupRef | None:
+        return None if group is None else GroupRef(group.group_name, dist.get_world_size(group))
+
+    def get(self) -> dist.ProcessGroup:
+        return _resolve_process_group(self.name)
 
 
-def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+def group_size(group: GroupRef | None) -> int:
+    return 1 if group is None else group.size
+
+
+def all_reduce_sum(x: torch.Tensor, group: GroupRef | None) -> torch.Tensor:
     """Sum of `x` over the ranks of `group`, the same bits on every rank. Eager mode sums into `x`,
     which callers pass fresh (a matmul or lookup output nothing else holds)."""
     if group_size(group) == 1:
         return x
     if torch.compiler.is_compiling():
-        return funcol.wait_tensor(funcol.all_reduce(x, "sum", group))
-    dist.all_reduce(x, group=group)
+        return funcol.wait_tensor(funcol.all_reduce(x, "sum", group.name))
+    dist.all_reduce(x, group=group.get())
     return x
 
 
-def all_gather_last_dim(x: torch.Tensor, sizes: list[int], group: dist.ProcessGroup | None) -> torch.Tensor:
+def all_gather_last_dim(x: torch.Tensor, sizes: list[int], group: GroupRef | None) -> torch.Tensor:
     """Concatenate every rank's `x` along the last dim; rank r contributes `sizes[r]` columns.
 
     Uneven sizes are padded to the largest so that one all-gather of equal blocks suffices:
@@ -45,8 +71,8 @@ def all_gather_last_dim(x: torch.Tensor, sizes: list[int], group: dist.ProcessGr
         x = torch.nn.functional.pad(x, (0, width - x.shape[-1]))
     x = x.unsqueeze(0).contiguous()
     if torch.compiler.is_compiling():
-        gathered = funcol.wait_tensor(funcol.all_gather_single(x, 0, group))
+        gathered = funcol.wait_tensor(funcol.all_gather_single(x, 0, group.name))
     else:
         gathered = x.new_empty((len(sizes), *x.shape[1:]))
-        _all_gather_single(gathered, x, group=group)
+        _all_gather_single(gathered, x, group=group.get())
     return torch.cat([gathered[r, ..., :n] for r, n in enumerate(sizes)], dim=-1)

@@ -7,15 +7,18 @@ LOCAL_RANK, CPU ranks use gloo. A plain single process, with no WORLD_SIZE, is t
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 import sys
 import time
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401 - before any group exists: see _destroy_at_exit
 
 from autotp.errors import AutotpError
 
@@ -159,9 +162,34 @@ def init(device: str | torch.device | None = None, timeout_s: float | None = Non
             dist.init_process_group("nccl", timeout=timeout, device_id=dev, **kwargs)
         else:
             dist.init_process_group("gloo", timeout=timeout, **kwargs)
+        _destroy_at_exit(dist.group.WORLD)
     if dev.type == "cuda":
         _check_one_gpu_per_rank(dev, dist.group.WORLD)
     return Dist(rank, world, 0 if local_rank is None else local_rank, dev, dist.group.WORLD)
+
+
+def _destroy_at_exit(group: dist.ProcessGroup) -> None:
+    """Destroy the process group autotp created when the interpreter exits, while it is still whole.
+
+    A gloo collective's work holds its tensors, and the gloo worker thread that ran it lets go of them
+    only after waking the caller. Letting go of a tensor that has a Python object takes the GIL, and once
+    interpreter finalization has begun a thread that asks for the GIL is ended by pthread_exit, whose
+    unwinding through the work's noexcept destructor calls std::terminate: "terminate called without an
+    active exception", exit -6, after the script's last line (a core's stack: ProcessGroupGloo::runLoop ->
+    ~AsyncAllreduceWork -> TensorImpl::decref_pyobject -> gil_scoped_acquire -> PyThread_exit_thread). A
+    loaded machine, which runs the worker late, makes it likely. Destroying the group before finalization
+    joins its workers first, provided nothing else holds it: autotp's modules name the group
+    (collectives.GroupRef), and torch.distributed.nn, whose functions take `group=group.WORLD` as default
+    arguments bound at import (transformers imports it with a model's modeling module, through
+    torch.distributed.fsdp), is imported with this module, before any group exists, so that those
+    defaults are None. A group the user made is the user's to destroy."""
+    created = weakref.ref(group)
+
+    def destroy() -> None:
+        if dist.is_initialized() and dist.group.WORLD is created():
+            dist.destroy_process_group()
+
+    atexit.register(destroy)
 
 
 def wire_device(env: Dist) -> torch.device:

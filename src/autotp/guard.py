@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from autotp.collectives import GroupRef
 from autotp.errors import AutotpError
 
 # odd 61-bit multiplier: fingerprint = sum(ids[i] * (i + 1) * M) in wrapping int64 arithmetic, so
@@ -31,7 +32,7 @@ def fingerprint(ids: torch.Tensor) -> torch.Tensor:
 class InputGuard:
     """A forward pre-hook for the top-level model: raises on every rank when ranks' input ids differ."""
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device):
+    def __init__(self, group: GroupRef, device: torch.device):
         self.group, self.device = group, device  # where the fingerprint travels: distributed.wire_device
         self.calls = 0  # forward calls so far, to name the step that diverged
 
@@ -44,11 +45,11 @@ class InputGuard:
         self.calls += 1
         f = fingerprint(ids).to(self.device)
         both = torch.stack([f, -f])
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group.get())
         if both[0] == -both[1]:  # max(f) == min(f): every rank has the same fingerprint
             return
-        everyone = [torch.zeros_like(f) for _ in range(dist.get_world_size(self.group))]
-        dist.all_gather(everyone, f, group=self.group)
+        everyone = [torch.zeros_like(f) for _ in range(self.group.size)]
+        dist.all_gather(everyone, f, group=self.group.get())
         odd = [r for r, g in enumerate(everyone) if not torch.equal(g, everyone[0])]
         raise AutotpError(
             f"tensor-parallel ranks fed different input ids to forward call {self.calls} (shape "

@@ -6,6 +6,11 @@ default, is shorter than a first 31 GB download): the downloader publishes, thro
 key-value store, how many bytes have arrived so far and finally "ok" or its error. A waiter waits as long
 as that byte count keeps moving, and gives up only after AUTOTP_DOWNLOAD_STALL_TIMEOUT seconds with no
 progress. A failed download is the same one-line error on every rank. HF_HUB_OFFLINE=1 is honoured.
+
+Every fetch from the hub (a model, `autotp plan`'s config.json, a --tokenizer id) is watched: huggingface_hub
+waits forever on some requests (repo_info and the file listing pass no timeout), so a hub that accepts the
+connection and never answers (a broken proxy) would hang. A fetch that gets no new byte for
+AUTOTP_HUB_TIMEOUT seconds (30) is an error naming the endpoint; its thread is left behind, blocked.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from transformers import AutoConfig
 from autotp.errors import AutotpError
 
 WEIGHT_FILES = ["*.json", "*.safetensors", "*.txt", "*.model"]
+TOKENIZER_FILES = ["*.json", "*.txt", "*.model"]  # tokenizer.json, vocab.json + merges.txt, SentencePiece
+HUB_TIMEOUT_S = 30  # a fetch with no answer and no new byte for this long: the hub stalls (AUTOTP_HUB_TIMEOUT)
 STALL_TIMEOUT_S = 300  # no new byte for this long: the download is stuck (AUTOTP_DOWNLOAD_STALL_TIMEOUT)
 BEAT_S = 0.5  # how often the downloader publishes its byte count, and waiters look
 
@@ -39,7 +46,7 @@ def resolve_model_dir(model: str | os.PathLike, patterns: list[str] = WEIGHT_FIL
     store = dist.distributed_c10d._get_default_store() if dist.is_initialized() and dist.get_world_size() > 1 \
         else None
     if store is None:
-        return _snapshot(str(model), patterns)
+        return _fetch(str(model), patterns)
     digest = hashlib.sha1(repr(sorted(patterns)).encode()).hexdigest()[:8]
     key = f"autotp/hub/{socket.gethostname()}/{model}/{digest}"
     if _downloads_for_this_node():
@@ -69,6 +76,38 @@ def _snapshot(repo_id: str, patterns: list[str], local_files_only: bool = False)
                           + (f": {detail}" if detail else "")) from None
 
 
+def _fetch(repo_id: str, patterns: list[str], publish=lambda cached: None) -> Path:
+    """`_snapshot` in a thread, watched: an AutotpError naming the endpoint when it neither returns nor adds
+    a byte to the cache for AUTOTP_HUB_TIMEOUT seconds. `publish(cached bytes)` is called every BEAT_S."""
+    from huggingface_hub import constants
+
+    timeout_s = float(os.environ.get("AUTOTP_HUB_TIMEOUT", HUB_TIMEOUT_S))
+    outcome: dict = {}
+
+    def fetch() -> None:
+        try:
+            outcome["dir"] = _snapshot(repo_id, patterns)
+        except BaseException as e:  # noqa: BLE001 - raised again by the watching thread
+            outcome["error"] = e
+
+    worker = threading.Thread(target=fetch, daemon=True, name="autotp-hub-fetch")
+    worker.start()
+    seen, since = _cached_bytes(repo_id), time.monotonic()
+    while worker.is_alive():
+        worker.join(BEAT_S)
+        cached = _cached_bytes(repo_id)
+        publish(cached)
+        if cached != seen:
+            seen, since = cached, time.monotonic()
+        elif worker.is_alive() and time.monotonic() - since > timeout_s:
+            raise AutotpError(f"the hub at {constants.ENDPOINT} sent nothing for {timeout_s:.0f} s while fetching "
+                              f"{repo_id!r} (AUTOTP_HUB_TIMEOUT; HF_ENDPOINT names the hub, HF_HUB_OFFLINE=1 "
+                              "uses the cache only)")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["dir"]
+
+
 def _cached_bytes(repo_id: str) -> int:
     """Bytes under the repo's folder of the hub cache, partial downloads included: the progress signal."""
     from huggingface_hub import constants
@@ -85,24 +124,13 @@ def _cached_bytes(repo_id: str) -> int:
 
 
 def _download(store, key: str, repo_id: str, patterns: list[str]) -> Path:
-    done = threading.Event()
-
-    def publish() -> None:
-        while not done.wait(BEAT_S):
-            store.set(f"{key}/bytes", str(_cached_bytes(repo_id)))
-
-    beat = threading.Thread(target=publish, daemon=True, name="autotp-download-progress")
-    beat.start()
     try:
-        local = _snapshot(repo_id, patterns)
+        local = _fetch(repo_id, patterns, publish=lambda cached: store.set(f"{key}/bytes", str(cached)))
     except BaseException as e:  # whatever ends the download, the waiting ranks must hear of it, not stall
         reason = str(e) if isinstance(e, AutotpError) else f"the download of {repo_id!r} by LOCAL_RANK 0 failed: " \
                                                              f"{type(e).__name__}"
         store.set(f"{key}/status", f"error:{reason}")
         raise
-    finally:
-        done.set()
-        beat.join()
     store.set(f"{key}/status", "ok")
     return local
 

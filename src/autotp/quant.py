@@ -19,6 +19,7 @@ batches) dequantize instead, where the CPU kernel is slower than the model dtype
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -44,10 +45,15 @@ class Quant:
 
     @staticmethod
     def parse(kind: str | None, group_size: int = INT4_GROUP) -> Quant | None:
+        """`quantize=` and `group_size=` as the entry points take them, checked: types first (32.0 would
+        pass `in INT4_GROUPS` and fail deep in the loader; True is an int to Python), then values."""
+        if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral):
+            raise AutotpError(f"group_size must be an int, got {type(group_size).__name__} {group_size!r}")
         if kind is None:
             return None
-        if kind not in KINDS:
+        if not isinstance(kind, str) or kind not in KINDS:
             raise AutotpError(f"unknown quantization {kind!r}: choose one of {', '.join(KINDS)}")
+        group_size = int(group_size)
         if kind == "int4" and group_size not in INT4_GROUPS:
             raise AutotpError(f"int4 group size {group_size} is not one torch's int4 kernel takes: "
                               f"{', '.join(map(str, INT4_GROUPS))}")

@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from autotp.collectives import GroupRef
 from autotp.errors import AutotpError
 from autotp.head_inputs import NarrowHeads
 from autotp.layout import Layout, Param
@@ -27,7 +28,7 @@ from autotp.styles import RankContext, Style, TensorShard
 Produce = Callable[[Param, TensorShard, nn.Parameter], torch.Tensor | QuantizedWeight]
 
 
-def parallelize(model: nn.Module, layout: Layout, rank: int, group, produce: Produce) -> None:
+def parallelize(model: nn.Module, layout: Layout, rank: int, group: GroupRef | None, produce: Produce) -> None:
     """Turn `model` into rank `rank`'s part of the sharded model, in place.
 
     Planned modules are rebuilt at their per-rank shapes one by one, each full weight released as soon as

@@ -13,16 +13,25 @@ FIM_TOKENS = ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")
 
 def load_tokenizer(source: str, missing: str | None = None):
     """The tokenizer at `source` (a directory or hub id). Where none loads: None if `missing` is None, else
-    an AutotpError whose message is `missing` with {source} and {cause} (the exception's type) filled in,
-    so each caller says in its own words what the user should do."""
+    an AutotpError whose message is `missing` with {source} and {cause} (why none loads) filled in, so each
+    caller says in its own words what the user should do.
+
+    "None loads" includes the empty tokenizer transformers 5 builds for a directory without tokenizer files
+    when the config names a family whose tokenizer class can start from nothing (Qwen2, GPT-2, GPT-NeoX,
+    Gemma...): its vocabulary is only its special tokens, so every prompt would encode to nothing."""
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(source)
+        tokenizer = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as e:
-        if missing is None:
-            return None
-        raise AutotpError(missing.format(source=source, cause=type(e).__name__)) from None
+        cause = type(e).__name__
+    else:
+        if len(tokenizer.get_vocab()) > len(tokenizer.get_added_vocab()):
+            return tokenizer
+        cause = f"no tokenizer files: transformers built an empty {type(tokenizer).__name__}"
+    if missing is None:
+        return None
+    raise AutotpError(missing.format(source=source, cause=cause))
 
 
 def fim_prompt(tokenizer, prefix: str, suffix: str) -> str:

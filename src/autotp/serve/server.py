@@ -24,7 +24,7 @@ import autotp
 from autotp import distributed
 from autotp.api import load_config
 from autotp.errors import AutotpError
-from autotp.generate import context_length
+from autotp.generate import context_limit
 from autotp.hub import resolve_model_dir
 from autotp.serve import budget
 from autotp.serve.boundary import Served
@@ -84,7 +84,7 @@ def _size(n: int) -> str:
                 or p == 0)
 
 
-def _limits(net, channel: Channel, env, opts: ServeOptions, max_model_len: int) -> Limits:
+def _limits(net, channel: Channel, env, opts: ServeOptions, max_model_len: int | None) -> Limits:
     """Every rank measures its cache cost and free memory; the largest cost and smallest room decide."""
     costs = channel.gather((budget.token_bytes(net), budget.free_bytes(env.device)))
     per_token, free = max(c for c, _ in costs), min(f for _, f in costs)
@@ -92,7 +92,7 @@ def _limits(net, channel: Channel, env, opts: ServeOptions, max_model_len: int) 
     budget.check_fits(tokens, per_token, opts.kv_cache_memory)
     if env.rank == 0:
         short = (f", less than the context of {max_model_len}: longer requests are refused"
-                 if tokens < max_model_len else "")
+                 if max_model_len is not None and tokens < max_model_len else "")
         log(f"KV cache: {tokens} tokens per rank ({_size(tokens * per_token)} at {per_token} bytes per token){short}")
     return Limits(opts.max_num_seqs, opts.max_num_batched_tokens, tokens)
 
@@ -120,11 +120,10 @@ def serve(model: str, model_id: str, opts: ServeOptions = ServeOptions()) -> int
         raise AutotpError(error)
 
     model_dir = resolve_model_dir(model)
-    limit = context_length(load_config(model_dir))
-    if opts.max_model_len is not None and opts.max_model_len > limit:
-        raise AutotpError(f"--max-model-len {opts.max_model_len} exceeds the model's context of {limit} positions")
+    config = load_config(model_dir)
     tokenizer = load_tokenizer(model_dir, missing="autotp serve needs a tokenizer, and none loads from {source} "
                                                   "({cause})")
+    max_model_len, source = context_limit(config, tokenizer, opts.max_model_len)
     # the input guard's per-forward all-reduce has nothing to catch here: rank 0 sends every input itself
     net = autotp.from_pretrained(model_dir, dtype=opts.dtype, device=opts.device, quantize=opts.quantize,
                                  group_size=opts.group_size, check_inputs=False)
@@ -132,14 +131,20 @@ def serve(model: str, model_id: str, opts: ServeOptions = ServeOptions()) -> int
         # ranks finish loading at different times: wait here under the process group's long timeout
         # (AUTOTP_TIMEOUT), not in the control group's first broadcast, whose timeout is short
         dist.barrier(group=env.group)
-    max_model_len = opts.max_model_len or limit
     limits = _limits(net, channel, env, opts, max_model_len)
+    if max_model_len is None:  # no learned position limit (ALiBi): what the KV cache holds bounds a request
+        if env.rank == 0:
+            log(f"no context limit ({source}): a request may use the {limits.kv_tokens} tokens of the KV cache; "
+                f"--max-model-len sets a limit")
+        max_model_len = limits.kv_tokens
 
     stopping = StopFlag()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
     if env.rank != 0:
-        return follow(net, channel, stopping)
+        code = follow(net, channel, stopping)
+        channel.close()  # every rank got "stop": the group is whole (a broken one is left to the exit)
+        return code
 
     engine = Engine(net, tokenizer, channel, stopping, limits, opts.max_queue)
     engine.metrics = Metrics(lambda: engine.counts()[0], lambda: engine.counts()[1],
@@ -158,5 +163,7 @@ def serve(model: str, model_id: str, opts: ServeOptions = ServeOptions()) -> int
         f"{limits.max_num_batched_tokens} tokens per step, context {max_model_len}) on http://{opts.host}:{address[1]}")
     code = engine.run()
     http.stop()
+    if code == 0:
+        channel.close()
     log("stopped" if code == 0 else "exited after a rank failure")
     return code

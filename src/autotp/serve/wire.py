@@ -73,6 +73,12 @@ class Channel:
         dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
+    def close(self) -> None:
+        """Destroy the group (its gloo threads must not outlive the interpreter's finalization)."""
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None
+
     def gather(self, value) -> list:
         """Every rank's value on every rank: start-up only, never per step."""
         if self.group is None:
