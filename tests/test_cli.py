@@ -252,3 +252,21 @@ def test_serve_refuses_to_start_without_a_tokenizer(family_checkpoint, capsys):
     assert error_lines(capsys.readouterr().err) == [
         f"autotp: error: autotp serve needs a tokenizer, and none loads from {model_dir} (no tokenizer files: "
         "transformers built an empty GPTNeoXTokenizer)"]
+
+
+def test_a_tokenizer_that_encodes_text_to_nothing_is_refused_when_it_loads(tmp_path):
+    """transformers 5 loads a qwen2 directory's own tokenizer.json as a Qwen2Tokenizer, which drops every token of
+    a word-level vocabulary: each prompt would be "empty". Refused where it loads, naming what happened."""
+    from checkpoints import word_tokenizer
+    from families import build, save
+
+    from autotp.errors import AutotpError
+    from autotp.tokenizer import load_tokenizer
+
+    save("qwen2", build("qwen2"), tmp_path)
+    word_tokenizer(tmp_path)
+    assert load_tokenizer(str(tmp_path)) is None
+    with pytest.raises(AutotpError, match=r"loaded it as a Qwen2Tokenizer that encodes 'def hello\(\): return 0' "
+                                          r"to no tokens"):
+        load_tokenizer(str(tmp_path), missing="none loads from {source} ({cause})")
+    assert load_tokenizer(word_tokenizer(tmp_path / "alone")) is not None  # the same files on their own load

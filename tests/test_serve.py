@@ -419,3 +419,31 @@ def test_startup_errors_are_one_line(model_dir, args, message):
         out = subprocess.run([sys.executable, "-m", "autotp", "serve", "--model", model_dir, *args],
                              capture_output=True, text=True, timeout=120, env=ENV)
     assert out.returncode == 2 and out.stderr.strip().startswith(f"autotp: error: {message}"), out.stderr
+
+
+def test_serve_on_every_familys_checkpoint(tmp_path, family_checkpoint):
+    """`autotp serve --tokenizer WORDS` at tp 2 on each family's tiny checkpoint, all in one torchrun
+    (tests/family_serve.py): its start-up (context rule, tokenizer, KV measurement) and a greedy completion,
+    whole and streamed, equal to the unsharded model's. BLOOM has no context limit: its requests are
+    bounded by the KV cache, and the server says so."""
+    from checkpoints import word_tokenizer
+    from families import FAMILIES, NEW_TOKENS, PROMPT
+    from transformers import AutoTokenizer
+
+    words = word_tokenizer(tmp_path / "words")
+    tokenizer = AutoTokenizer.from_pretrained(words)
+    prompt = " ".join(f"w{i}" for i in PROMPT[0])
+    assert tokenizer(prompt).input_ids == PROMPT[0] and NEW_TOKENS == 16
+    dirs = {name: family_checkpoint(name)[0] for name in FAMILIES}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                          str(free_port()), "tests/family_serve.py", str(tmp_path), prompt, words,
+                          *[f"{n}={d}" for n, d in dirs.items()]], capture_output=True, text=True, timeout=900,
+                         env=ENV)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for name in FAMILIES:
+        result = json.loads((tmp_path / f"{name}.json").read_text())
+        expected = tokenizer.decode(family_checkpoint(name)[1]["greedy"][0][len(PROMPT[0]):], skip_special_tokens=True)
+        assert result["code"] == 0 and "error" not in result, (name, result)
+        assert result["text"] == result["streamed"] == expected, (name, result)
+        if name == "bloom":
+            assert "no context limit" in result["stderr"] and "tokens of the KV cache" in result["stderr"]

@@ -173,7 +173,8 @@ def cmd_serve(args) -> int:
         raise AutotpError(f"{source} is empty: give a key, or leave it out to serve without one")
     opts = ServeOptions(host=args.host, port=args.port, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
-                        max_queue=args.max_queue, max_model_len=args.max_model_len, dtype=args.dtype,
+                        max_queue=args.max_queue, max_model_len=args.max_model_len, tokenizer=args.tokenizer,
+                        dtype=args.dtype,
                         device=args.device, quantize=args.quantize, group_size=args.group_size,
                         max_body_bytes=args.max_body_bytes, read_timeout=args.read_timeout,
                         allowed_hosts=args.allowed_hosts, api_key=key)
@@ -253,6 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="prompts waiting for room; past it requests get 429 (default 256)")
     srv.add_argument("--max-model-len", type=positive_int, help="prompt + completion tokens per request "
                                                                 "(default: the model's context, as for generate)")
+    srv.add_argument("--tokenizer", help="tokenizer directory or hub id (default: the model's)")
     srv.add_argument("--dtype", choices=DTYPE_CHOICES, help="weights dtype (default: as stored)")
     add_quantize_flags(srv)
     srv.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available, else cpu")

@@ -9,6 +9,7 @@ from __future__ import annotations
 from autotp.errors import AutotpError
 
 FIM_TOKENS = ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")
+PROBE = "def hello(): return 0"  # any usable tokenizer encodes this to some tokens (an unknown-token id at worst)
 
 
 def load_tokenizer(source: str, missing: str | None = None):
@@ -18,7 +19,10 @@ def load_tokenizer(source: str, missing: str | None = None):
 
     "None loads" includes the empty tokenizer transformers 5 builds for a directory without tokenizer files
     when the config names a family whose tokenizer class can start from nothing (Qwen2, GPT-2, GPT-NeoX,
-    Gemma...): its vocabulary is only its special tokens, so every prompt would encode to nothing."""
+    Gemma...): its vocabulary is only its special tokens, so every prompt would encode to nothing. And it
+    includes a tokenizer that encodes ordinary text to nothing: transformers 5 loads a directory's
+    tokenizer.json into the class its config's family names (Qwen2Tokenizer for a qwen2 model), which
+    can drop every token of a vocabulary that class does not expect."""
     from transformers import AutoTokenizer
 
     try:
@@ -26,9 +30,12 @@ def load_tokenizer(source: str, missing: str | None = None):
     except (OSError, ValueError) as e:
         cause = type(e).__name__
     else:
-        if len(tokenizer.get_vocab()) > len(tokenizer.get_added_vocab()):
+        if len(tokenizer.get_vocab()) <= len(tokenizer.get_added_vocab()):
+            cause = f"no tokenizer files: transformers built an empty {type(tokenizer).__name__}"
+        elif not tokenizer(PROBE, add_special_tokens=False).input_ids:
+            cause = f"transformers loaded it as a {type(tokenizer).__name__} that encodes {PROBE!r} to no tokens"
+        else:
             return tokenizer
-        cause = f"no tokenizer files: transformers built an empty {type(tokenizer).__name__}"
     if missing is None:
         return None
     raise AutotpError(missing.format(source=source, cause=cause))

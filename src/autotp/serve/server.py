@@ -25,7 +25,7 @@ from autotp import distributed
 from autotp.api import load_config
 from autotp.errors import AutotpError
 from autotp.generate import context_limit
-from autotp.hub import resolve_model_dir
+from autotp.hub import TOKENIZER_FILES, resolve_model_dir
 from autotp.serve import budget
 from autotp.serve.boundary import Served
 from autotp.serve.engine import Engine, StopFlag, follow
@@ -69,6 +69,7 @@ class ServeOptions:
     kv_cache_memory: int | None = None  # bytes per rank; None: from the free memory (budget.py)
     max_queue: int = 256
     max_model_len: int | None = None
+    tokenizer: str | None = None  # a directory or hub id; default: the model's
     dtype: str | None = None
     device: str | None = None
     quantize: str | None = None
@@ -121,8 +122,9 @@ def serve(model: str, model_id: str, opts: ServeOptions = ServeOptions()) -> int
 
     model_dir = resolve_model_dir(model)
     config = load_config(model_dir)
-    tokenizer = load_tokenizer(model_dir, missing="autotp serve needs a tokenizer, and none loads from {source} "
-                                                  "({cause})")
+    tokenizer = load_tokenizer(resolve_model_dir(opts.tokenizer, TOKENIZER_FILES) if opts.tokenizer else model_dir,
+                               missing="autotp serve needs a tokenizer, and none loads from {source} ({cause}): "
+                                       "give --tokenizer")
     max_model_len, source = context_limit(config, tokenizer, opts.max_model_len)
     # the input guard's per-forward all-reduce has nothing to catch here: rank 0 sends every input itself
     net = autotp.from_pretrained(model_dir, dtype=opts.dtype, device=opts.device, quantize=opts.quantize,
