@@ -47,7 +47,7 @@ class Call:
         self.cid, self.start, self.parsed, self.metrics = cid, start, parsed, metrics
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue[tuple] = asyncio.Queue()
-        self.jobs = [Job(row, i, self.emit, TextStream(row.stop) if parsed.stream else None, cid)
+        self.jobs = [Job(row, i, self.emit, TextStream(row.stop) if parsed.stream else None, cid, arrived=start)
                      for i, row in enumerate(parsed.rows)]
         self.results: dict[int, Result] = {}
 

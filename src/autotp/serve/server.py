@@ -11,6 +11,7 @@ launcher dies (even by SIGKILL, which it cannot forward), instead of serving on 
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import signal
 import sys
@@ -140,6 +141,10 @@ def serve(model: str, model_id: str, opts: ServeOptions = ServeOptions()) -> int
                 f"--max-model-len sets a limit")
         max_model_len = limits.kv_tokens
 
+    # what start-up made (torch, transformers, the model) is never garbage: out of the collector's sight. A full
+    # collection over it took 135 ms (374k objects, demo model), a stall of every stream when one triggers.
+    gc.collect()
+    gc.freeze()
     stopping = StopFlag()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
