@@ -27,7 +27,7 @@ def starcoderbase_1b(dtype: str = "bfloat16") -> Path:
     from safetensors.torch import save_file
     from transformers import GPTBigCodeConfig
 
-    from autotp.skeleton import skeleton
+    from autotp.loading.skeleton import skeleton
 
     config = GPTBigCodeConfig(**STARCODERBASE_1B, dtype=dtype)
     net = skeleton(config, getattr(torch, dtype), buffers=False)

@@ -1,4 +1,4 @@
-"""What the input guard (autotp.guard) costs a decode step: starcoderbase-1b shape, bf16, tp 2 on CPU.
+"""What the input guard (autotp.parallel.input_guard) costs a decode step: starcoderbase-1b shape, bf16, tp 2 on CPU.
 
 Run under torchrun; rank 0 prints the table and writes benchmarks/results/guard_cost.json:
 
@@ -21,7 +21,7 @@ import torch.distributed as dist
 from common import starcoderbase_1b, write_json
 
 import autotp
-from autotp.guard import InputGuard
+from autotp.parallel.input_guard import InputGuard
 
 STEPS, ROUNDS, HOOK_CALLS = 16, 5, 500
 

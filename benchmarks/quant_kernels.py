@@ -9,7 +9,7 @@ Per weight shape (out, in) and input rows M, the median ms of:
 - int4 dequant:  unpack the CPU packed bytes to q, (q - 8) * s + zero in bf16, F.linear; not in autotp, measured
                  here to see what such a path would buy at many rows (checked to unpack q exactly).
 
-Weights are random N(0, 0.02) bf16, quantized with autotp.quant's own functions. Prints the table and the
+Weights are random N(0, 0.02) bf16, quantized with autotp.quant.weights's own functions. Prints the table and the
 crossovers, writes benchmarks/results/quant_kernels.json.
 
     python benchmarks/quant_kernels.py [--shapes 1b 15b] [--rows 1 2 4 8 16 64 512]
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from common import write_json
 
-from autotp.quant import (
+from autotp.quant.weights import (
     INT4_GROUP,
     INT8_DEQUANT_ROWS,
     Quant,

@@ -51,7 +51,7 @@ from evaluate import evaluate  # noqa: E402
 from tokenizer import token_bytes_table  # noqa: E402
 
 import autotp  # noqa: E402
-from autotp.quant import QuantizedWeight  # noqa: E402
+from autotp.quant.weights import QuantizedWeight  # noqa: E402
 
 MODEL = ROOT / "src" / "autotp" / "demo_model"
 METRICS = ROOT / "demo" / "metrics.json"

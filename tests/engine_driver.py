@@ -107,7 +107,7 @@ class CollectiveCounter:
     """Counts this rank's torch.distributed calls by kind while active (the model's and the engine's)."""
 
     def __init__(self):
-        import autotp.collectives as collectives
+        import autotp.parallel.collectives as collectives
 
         self.counts: dict[str, int] = {}
         self.patched = [(dist_module(), "broadcast"), (dist_module(), "all_reduce"),

@@ -7,12 +7,12 @@ from safetensors.torch import load_file
 from test_parity import LOGIT_ATOL
 
 from autotp.errors import AutotpError
-from autotp.layout import resolve
-from autotp.loader import Checkpoint, ExpertKeys
+from autotp.loading.checkpoint import Checkpoint
+from autotp.loading.skeleton import skeleton
+from autotp.parallel.layout import ExpertKeys, resolve
 from autotp.plans import builtin_plans, plan_for
 from autotp.plans.infer import infer_plan
 from autotp.report import plan_report
-from autotp.skeleton import skeleton
 
 
 @pytest.mark.parametrize("tp", [2, 3, 4])
@@ -134,8 +134,9 @@ def test_codegen_qkv_with_heads_straddling_mp_num_blocks(tp):
     from transformers import CodeGenConfig
     from transformers.models.codegen.modeling_codegen import CodeGenAttention, CodeGenRotaryEmbedding
 
-    from autotp.partition import assign_heads
-    from autotp.styles import BlockInterleavedQKV, RankContext, TensorShard
+    from autotp.parallel.partition import assign_heads
+    from autotp.parallel.slices import TensorShard
+    from autotp.parallel.styles import BlockInterleavedQKV, RankContext
 
     cfg = CodeGenConfig(n_embd=40, n_head=5, rotary_dim=4, n_layer=1)
     cfg._attn_implementation = "eager"
@@ -158,7 +159,7 @@ def test_codegen_qkv_with_heads_straddling_mp_num_blocks(tp):
 
 
 def test_per_head_inputs_that_cannot_be_narrowed_are_errors():
-    from autotp.head_inputs import NarrowHeads, narrow_heads
+    from autotp.parallel.head_inputs import NarrowHeads, narrow_heads
 
     heads = plan_for(config("bloom")).heads(2)[1]  # heads 4:7 of 7
     bias = torch.arange(2 * 7 * 5.0).reshape(2 * 7, 1, 5)  # (batch * heads, 1, k)
@@ -173,7 +174,7 @@ def test_per_head_inputs_that_cannot_be_narrowed_are_errors():
 def test_fused_experts_stay_unquantized_and_refuse_what_they_cannot_split():
     """Quantization covers the 2-D linear weights only: the 3-D experts stay in the model dtype. Too many
     ranks for an expert's feature granules, and experts with biases, are errors before any weight is read."""
-    from autotp.quant import Quant
+    from autotp.quant.weights import Quant
 
     cfg = config("mixtral")
     layout = resolve(skeleton(cfg, torch.float32, buffers=False), plan_for(cfg), 2, quant=Quant("int8"))

@@ -15,13 +15,14 @@ from safetensors.torch import load_file, save_file
 from tasks import load_error, sharded_outputs
 
 import autotp
-from autotp import loader
 from autotp.errors import AutotpError
 from autotp.generate import generate
-from autotp.loader import Checkpoint
-from autotp.partition import even_split
+from autotp.loading import checkpoint as loader
+from autotp.loading.checkpoint import Checkpoint
+from autotp.parallel.layout import ExpertKeys
+from autotp.parallel.partition import even_split
+from autotp.parallel.slices import TensorShard
 from autotp.report import plan_report
-from autotp.styles import TensorShard
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -397,15 +398,19 @@ def test_experts_stored_per_expert_read_as_the_fused_slice(tmp_path, monkeypatch
     spy = _SpanSpy()
     monkeypatch.setattr(loader, "safe_open", spy)
     ckpt = Checkpoint(tmp_path) if block_bytes is None else Checkpoint(tmp_path, block_bytes=block_bytes)
-    fused_gu = loader.ExpertKeys((3, 22, 6), tuple((f"e.{e}.gate", f"e.{e}.up") for e in range(3)))
-    fused_d = loader.ExpertKeys((3, 6, 11), tuple((f"e.{e}.down",) for e in range(3)))
+    fused_gu = ExpertKeys((3, 22, 6), tuple((f"e.{e}.gate", f"e.{e}.up") for e in range(3)))
+    fused_d = ExpertKeys((3, 6, 11), tuple((f"e.{e}.down",) for e in range(3)))
+
+    def read(keys: ExpertKeys, shard: TensorShard, dtype) -> torch.Tensor:
+        return ckpt.assemble(shard.local_shape(keys.shape), keys.reads(shard), dtype)
+
     cases = [(fused_gu, gate_up, TensorShard.along(1, [(4, 8), (15, 19)])),  # a rank's gate and up rows
              (fused_gu, gate_up, TensorShard.along(1, [(8, 14)])),  # a range across the gate | up boundary
              (fused_d, down, TensorShard.along(2, [(4, 8)])), (fused_d, down, TensorShard.along(2, [(0, 2), (9, 11)])),
              (fused_gu, gate_up, TensorShard.along(0, [(1, 3)])), (fused_d, down, TensorShard())]
     for keys, tensor, shard in cases:
         spy.spans.clear()
-        assert torch.equal(ckpt.read(keys, shard, None), shard.take(tensor)), (shard, block_bytes)
+        assert torch.equal(read(keys, shard, None), shard.take(tensor)), (shard, block_bytes)
         assert max(spy.spans) <= max(block_bytes or loader.BLOCK_BYTES, 11 * 4), (shard, block_bytes)
-    assert torch.equal(ckpt.read(fused_gu, TensorShard.along(1, [(0, 3), (11, 14)]), torch.bfloat16),
+    assert torch.equal(read(fused_gu, TensorShard.along(1, [(0, 3), (11, 14)]), torch.bfloat16),
                        gate_up[:, [0, 1, 2, 11, 12, 13]].to(torch.bfloat16))

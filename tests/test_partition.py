@@ -8,8 +8,9 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from autotp.errors import AutotpError
-from autotp.partition import assign_heads, even_split
-from autotp.styles import Colwise, FusedQKV, RankContext, Rowwise, TensorShard
+from autotp.parallel.partition import assign_heads, even_split
+from autotp.parallel.slices import TensorShard
+from autotp.parallel.styles import Colwise, FusedQKV, RankContext, Rowwise
 
 
 def test_even_split_matches_the_documented_example():

@@ -15,10 +15,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import autotp
 from autotp.errors import AutotpError
-from autotp.layout import resolve
+from autotp.loading.skeleton import skeleton
+from autotp.parallel.layout import resolve
 from autotp.plans import plan_for
-from autotp.quant import Quant, check_kernel, int8_scales, pack_int4, quantize_int4, quantize_int8
-from autotp.skeleton import skeleton
+from autotp.quant.weights import Quant, check_kernel, int8_scales, pack_int4, quantize_int4, quantize_int8
 
 GROUP = 32
 COMMON = dict(vocab_size=101, bos_token_id=None, eos_token_id=None, pad_token_id=None)
@@ -156,9 +156,9 @@ def test_int4_names_the_group_sizes_that_fit():
 @pytest.mark.parametrize("call, message", [
     (lambda: Quant.parse("int3"), "unknown quantization 'int3': choose one of int8, int4"),
     (lambda: Quant.parse("int4", 96), "int4 group size 96 is not one torch's int4 kernel takes: 32, 64, 128, 256"),
-    (lambda: check_kernel("int4", torch.device("cuda", 0), torch.float16),
+    (lambda: check_kernel("int4", "cuda", torch.float16),
      "--quantize int4 on CUDA needs --dtype bfloat16"),
-    (lambda: check_kernel("int8", torch.device("mps"), torch.float16), "kernels for cpu and cuda, not mps"),
+    (lambda: check_kernel("int8", "mps", torch.float16), "kernels for cpu and cuda, not mps"),
 ])
 def test_quantization_errors_name_the_choice(call, message):
     with pytest.raises(AutotpError, match=message):

@@ -67,10 +67,17 @@ def id_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from None
 
 
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def cmd_plan(args) -> int:
     from autotp.report import format_report, plan_report
 
-    report = plan_report(args.model or default_model(), args.tp, args.dtype, args.quantize, args.group_size)
+    device = args.device or ("cuda" if _cuda_available() else "cpu")
+    report = plan_report(args.model or default_model(), args.tp, args.dtype, args.quantize, args.group_size, device)
     print(json.dumps(report) if args.json else format_report(report))
     return 0
 
@@ -104,9 +111,8 @@ def cmd_generate(args) -> int:
 
     import autotp
     from autotp import distributed
-    from autotp.api import load_config
     from autotp.generate import FROM_TOKENIZER, check_ids, check_length, context_limit, context_line, generate
-    from autotp.hub import resolve_model_dir
+    from autotp.hub import load_config, resolve_model_dir
     from autotp.tokenizer import fim_prompt
 
     if (args.prompt is None) == (args.input_ids is None):
@@ -208,6 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--tp", type=positive_int, required=True, help="number of tensor-parallel ranks")
     plan.add_argument("--dtype", choices=DTYPE_CHOICES, help="dtype for byte counts (default: checkpoint/config)")
     add_quantize_flags(plan)
+    plan.add_argument("--device", choices=["cpu", "cuda"],
+                      help="whose quantized kernels must take each slice (default: cuda if available, else cpu)")
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     plan.set_defaults(func=cmd_plan)
 

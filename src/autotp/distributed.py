@@ -231,6 +231,11 @@ def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
 
 
+def world_size() -> int:
+    """The number of ranks of the process group; 1 before there is one."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def print0(*args, **kwargs) -> None:
     """print() on rank 0 only."""
     if rank() == 0:

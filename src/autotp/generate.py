@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from transformers import LogitsProcessorList, TextStreamer
 
+from autotp import distributed
 from autotp.errors import AutotpError
 from autotp.sampler import SamplerProcessor, SamplingParams
 
@@ -103,7 +104,7 @@ def shared_seed(seed: int | None) -> int:
     if seed is not None:
         return seed
     box = [random.SystemRandom().randrange(2**31)]
-    if dist.is_initialized():
+    if distributed.world_size() > 1:
         dist.broadcast_object_list(box, src=0)
     return box[0]
 
@@ -122,7 +123,7 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int, do_sample: 
     check_ids(model.config, input_ids)
     seed = shared_seed(seed)
     torch.manual_seed(seed)  # beam search and anything else in HF that draws
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = distributed.rank()
     streamer = (TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
                 if stream and tokenizer is not None and rank == 0 else None)
     processors = LogitsProcessorList()

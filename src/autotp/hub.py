@@ -27,6 +27,7 @@ import torch.distributed as dist
 from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig
 
+from autotp import distributed
 from autotp.errors import AutotpError
 
 WEIGHT_FILES = ["*.json", "*.safetensors", "*.txt", "*.model"]
@@ -43,8 +44,7 @@ def resolve_model_dir(model: str | os.PathLike, patterns: list[str] = WEIGHT_FIL
         return path
     if path.exists() or str(model).count("/") > 1 or str(model).startswith((".", "/", "~")):
         raise AutotpError(f"model {str(model)!r} is not a directory")
-    store = dist.distributed_c10d._get_default_store() if dist.is_initialized() and dist.get_world_size() > 1 \
-        else None
+    store = dist.distributed_c10d._get_default_store() if distributed.world_size() > 1 else None
     if store is None:
         return _fetch(str(model), patterns)
     digest = hashlib.sha1(repr(sorted(patterns)).encode()).hexdigest()[:8]
@@ -59,9 +59,9 @@ def _downloads_for_this_node() -> bool:
     """LOCAL_RANK 0; without LOCAL_RANK (a script's own mp.spawn), the lowest rank on this host."""
     if "LOCAL_RANK" in os.environ:
         return int(os.environ["LOCAL_RANK"]) == 0
-    hosts: list = [None] * dist.get_world_size()
+    hosts: list = [None] * distributed.world_size()
     dist.all_gather_object(hosts, socket.gethostname())
-    return hosts.index(socket.gethostname()) == dist.get_rank()
+    return hosts.index(socket.gethostname()) == distributed.rank()
 
 
 def _snapshot(repo_id: str, patterns: list[str], local_files_only: bool = False) -> Path:

@@ -1,56 +1,41 @@
 """`autotp plan`: how every tensor of a model is partitioned across ranks, from config.json alone.
 
-Builds the model on the meta device (no weights, no processes), applies the family's plan for every
-rank, and reports each tensor's global shape, the slice or replication a rank holds, and its bytes.
-When the directory also has safetensors files, their headers give the stored dtype and are checked
-against the config, still without reading a weight.
+Prepares the model as loading would (`autotp.prepare`: a meta skeleton, no weights, no processes) and
+reports, for every rank, each tensor's global shape, the slice or replication the rank holds, and its
+bytes. When the directory also has safetensors files, their headers give the stored dtype and are
+checked against the config, still without reading a weight.
 """
 
 from __future__ import annotations
 
 import re
 
-import torch
-
-from autotp.api import parse_dtype
-from autotp.hub import load_config, resolve_model_dir
-from autotp.layout import resolve
-from autotp.loader import INDEX, SINGLE, Checkpoint
-from autotp.plans import plan_for
-from autotp.quant import INT4_GROUP, Quant
-from autotp.skeleton import skeleton
+from autotp.hub import resolve_model_dir
+from autotp.prepare import prepare
+from autotp.quant.weights import INT4_GROUP
 
 
 def plan_report(model: str, tp: int, dtype: str | None = None, quantize: str | None = None,
-                group_size: int = INT4_GROUP) -> dict:
+                group_size: int = INT4_GROUP, device_type: str = "cpu") -> dict:
+    """Every rank's tensors as `autotp plan` prints them; device_type: whose quantized kernels must take
+    each slice (an int4 slice CUDA's kernel cannot run is refused as it would be when loading there)."""
     model_dir = resolve_model_dir(model, patterns=["config.json"])
-    config = load_config(model_dir)
-    plan = plan_for(config)
-    has_weights = (model_dir / INDEX).exists() or (model_dir / SINGLE).exists()
-    ckpt = Checkpoint(model_dir) if has_weights else None
-    torch_dtype = parse_dtype(dtype) or (ckpt and ckpt.floating_dtype()) or _config_dtype(config)
-    quant = Quant.parse(quantize, group_size)
-    layout = resolve(skeleton(config, torch_dtype, buffers=False), plan, tp, ckpt, quant)
+    p = prepare(tp, device_type, model_dir=model_dir, dtype=dtype, quantize=quantize, group_size=group_size,
+                checkpoint=False, buffers=False)
+    layout, plan = p.layout, p.plan
     ranks = []
     for rank, h in enumerate(layout.heads):
-        tensors = [{"name": p.name, "tied": list(p.aliases), "shape": list(p.shape),
-                    "holds": p.shards[rank].describe(len(p.shape)), "local_shape": list(p.local_shape(rank)),
-                    "bytes": p.nbytes(rank),
-                    "stored": p.quant.quant.kind if p.quant else str(p.dtype).removeprefix("torch.")}
-                   for p in layout.params.values()]
+        tensors = [{"name": t.name, "tied": list(t.aliases), "shape": list(t.shape),
+                    "holds": t.shards[rank].describe(len(t.shape)), "local_shape": list(t.local_shape(rank)),
+                    "bytes": t.nbytes(rank),
+                    "stored": t.quant.quant.kind if t.quant else str(t.dtype).removeprefix("torch.")}
+                   for t in layout.params.values()]
         ranks.append({"rank": rank, "q_heads": [h.q_start, h.q_stop], "kv_heads": [h.kv_start, h.kv_stop],
                       "total_bytes": layout.rank_bytes(rank), "tensors": tensors})
     return {"model": str(model), "family": plan.family, "plan_source": plan.source, "tp": tp,
-            "dtype": str(torch_dtype).removeprefix("torch."), "checkpoint_headers": ckpt is not None,
+            "dtype": str(p.dtype).removeprefix("torch."), "checkpoint_headers": p.checkpoint is not None,
             "quantize": quantize, "group_size": group_size if quantize == "int4" else None,
-            "num_heads": plan.num_heads, "num_kv_heads": plan.num_kv_heads, "ranks": ranks}
-
-
-def _config_dtype(config) -> torch.dtype:
-    dtype = getattr(config, "dtype", None)
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype, None)
-    return dtype if isinstance(dtype, torch.dtype) else torch.float32
+            "device": device_type, "num_heads": plan.num_heads, "num_kv_heads": plan.num_kv_heads, "ranks": ranks}
 
 
 def _human(n: int) -> str:

@@ -10,9 +10,9 @@ bypassing the row-parallel layer.
 """
 
 from autotp.errors import AutotpError
+from autotp.parallel.styles import Colwise, FusedQKV, Rowwise, Vocab, VocabHead
 from autotp.plans.common import head_count, head_dim
 from autotp.plans.plan import Plan
-from autotp.styles import Colwise, FusedQKV, Rowwise, Vocab, VocabHead
 
 
 def plan(config) -> Plan:

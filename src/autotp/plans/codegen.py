@@ -8,9 +8,9 @@ head: the attention gets `mp_num` = its query head count and `embed_dim` = its q
 beyond the head count. mp_num is hard-coded 4 in HF's CodeGenAttention, not in the config.
 """
 
+from autotp.parallel.styles import BlockInterleavedQKV, Colwise, Rowwise, Vocab, VocabHead
 from autotp.plans.common import head_count, head_dim
 from autotp.plans.plan import Plan
-from autotp.styles import BlockInterleavedQKV, Colwise, Rowwise, Vocab, VocabHead
 
 MP_NUM = 4  # CodeGenAttention.mp_num: the 4 model-parallel shards CodeGen was trained with
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from autotp.errors import AutotpError
-from autotp.styles import Colwise, Rowwise, Style
+from autotp.parallel.styles import Colwise, Rowwise, Style
 
 
 def head_count(config, heads: str) -> int:

@@ -11,9 +11,9 @@ named in `head_inputs` and each rank's attention receives its heads' rows (a mas
 dim -3, passes as is).
 """
 
+from autotp.parallel.styles import Colwise, FusedQKV, Rowwise, Vocab, VocabHead
 from autotp.plans.common import head_dim
 from autotp.plans.plan import Plan
-from autotp.styles import Colwise, FusedQKV, Rowwise, Vocab, VocabHead
 
 
 def plan(config) -> Plan:

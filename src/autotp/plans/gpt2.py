@@ -7,9 +7,9 @@ reads `num_heads`/`embed_dim` nowhere else in the forward; all three are set per
 """
 
 from autotp.errors import AutotpError
+from autotp.parallel.styles import Colwise, FusedQKV, Rowwise, Vocab, VocabHead
 from autotp.plans.common import head_dim
 from autotp.plans.plan import Plan
-from autotp.styles import Colwise, FusedQKV, Rowwise, Vocab, VocabHead
 
 
 def plan(config) -> Plan:

@@ -9,9 +9,9 @@ column-parallel; wte/lm_head (tied) are vocab-parallel; wpe and the layer norms 
 """
 
 from autotp.errors import AutotpError
+from autotp.parallel.styles import Colwise, FusedQKV, Rowwise, Vocab, VocabHead
 from autotp.plans.common import head_dim
 from autotp.plans.plan import Plan
-from autotp.styles import Colwise, FusedQKV, Rowwise, Vocab, VocabHead
 
 
 def plan(config) -> Plan:

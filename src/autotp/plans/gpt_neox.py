@@ -4,9 +4,9 @@ query_key_value.weight (3*hidden, hidden) is per-head interleaved, (heads, 3, d)
 (-1, 3*head_size) and chunks, so no per-rank attribute is needed.
 """
 
+from autotp.parallel.styles import Colwise, FusedQKV, Rowwise, Vocab, VocabHead
 from autotp.plans.common import head_dim
 from autotp.plans.plan import Plan
-from autotp.styles import Colwise, FusedQKV, Rowwise, Vocab, VocabHead
 
 
 def plan(config) -> Plan:

@@ -1,9 +1,9 @@
 """GPT-J: separate q/k/v_proj and out_proj, viewed with -1 heads (no per-rank attribute needed); fc_in ->
 fc_out; its lm_head has a bias, split with the vocabulary rows."""
 
+from autotp.parallel.styles import Colwise, Rowwise, Vocab, VocabHead
 from autotp.plans.common import head_dim, separate_qkvo
 from autotp.plans.plan import Plan
-from autotp.styles import Colwise, Rowwise, Vocab, VocabHead
 
 
 def plan(config) -> Plan:

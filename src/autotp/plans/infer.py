@@ -26,10 +26,10 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from autotp.errors import AutotpError
+from autotp.loading.skeleton import skeleton
+from autotp.parallel.styles import Colwise, Rowwise, Style, Vocab, VocabHead
 from autotp.plans.common import llama_heads
 from autotp.plans.plan import Plan
-from autotp.skeleton import skeleton
-from autotp.styles import Colwise, Rowwise, Style, Vocab, VocabHead
 
 # Attention attributes whose meaning is known -> the HeadShard property that gives their per-rank value.
 KNOWN_ATTRS = {"num_heads": "q_heads", "num_attention_heads": "q_heads", "num_key_value_heads": "kv_heads",

@@ -7,9 +7,9 @@ heads and the KV heads they use (KV heads replicated when kv_heads < tp). The fa
 the MLP, listed per family below: gated gate_proj/up_proj -> down_proj, or StarCoder2's c_fc -> c_proj.
 """
 
+from autotp.parallel.styles import Colwise, Rowwise, Style, Vocab, VocabHead
 from autotp.plans.common import llama_heads, separate_qkvo
 from autotp.plans.plan import Plan
-from autotp.styles import Colwise, Rowwise, Style, Vocab, VocabHead
 
 GATED = {"mlp.gate_proj": Colwise(), "mlp.up_proj": Colwise(), "mlp.down_proj": Rowwise()}
 FC = {"mlp.c_fc": Colwise(), "mlp.c_proj": Rowwise()}

@@ -22,9 +22,9 @@ nothing is summed twice and there are no biases to add once. Layers listed in `m
 the `decoder_sparse_step`, have a dense MLP at `mlp.{gate,up,down}_proj`.
 """
 
+from autotp.parallel.styles import Colwise, FusedExperts, Rowwise
 from autotp.plans.llama import GATED, decoder_plan
 from autotp.plans.plan import FusedSource, Plan
-from autotp.styles import Colwise, FusedExperts, Rowwise
 
 FAMILIES = ("mixtral", "qwen2_moe")
 

@@ -5,9 +5,9 @@ all heads, (heads, 1, max_seq_len), and passes it as `position_bias`; the slopes
 so `position_bias` is named in `head_inputs` and each rank's attention receives the rows of its heads.
 """
 
+from autotp.parallel.styles import Colwise, FusedQKV, Rowwise, Vocab, VocabHead
 from autotp.plans.common import head_count, head_dim
 from autotp.plans.plan import Plan
-from autotp.styles import Colwise, FusedQKV, Rowwise, Vocab, VocabHead
 
 
 def plan(config) -> Plan:

@@ -4,9 +4,9 @@ OPTAttention views its projections with `self.num_heads` (per rank). project_in/
 word_embed_proj_dim != hidden_size) are small and replicated; lm_head is tied to embed_tokens.
 """
 
+from autotp.parallel.styles import Colwise, Rowwise, Vocab, VocabHead
 from autotp.plans.common import head_dim, separate_qkvo
 from autotp.plans.plan import Plan
-from autotp.styles import Colwise, Rowwise, Vocab, VocabHead
 
 
 def plan(config) -> Plan:

@@ -7,9 +7,9 @@ Phi3Attention reads `self.num_key_value_heads`, `num_key_value_groups`, and slic
 `self.config.num_attention_heads * head_dim`: its config is a per-rank copy (see Plan.attention_config).
 """
 
+from autotp.parallel.styles import Colwise, FusedQKV, Rowwise, Vocab, VocabHead
 from autotp.plans.common import llama_heads
 from autotp.plans.plan import Plan
-from autotp.styles import Colwise, FusedQKV, Rowwise, Vocab, VocabHead
 
 
 def plan(config) -> Plan:

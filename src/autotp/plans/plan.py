@@ -4,7 +4,7 @@ A plan maps module path patterns (`*` stands for one path component, e.g. the la
 Every module a plan does not name is replicated, on purpose: layer norms, position embeddings, biases
 of row-parallel layers. The attention modules' per-rank attributes that HF's forward reads are named
 too, each mapped to the `HeadShard` property that gives its per-rank value. What a plan means for one
-model at one tp size (each parameter's slice on each rank) is worked out once, by `autotp.layout`.
+model at one tp size (each parameter's slice on each rank) is worked out once, by `autotp.parallel.layout`.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from autotp.partition import HeadShard, assign_heads
-from autotp.styles import Style
+from autotp.parallel.partition import HeadShard, assign_heads
+from autotp.parallel.styles import Style
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,8 @@ class Plan:
     # config with these set to the HeadShard property; the model's own config keeps the global numbers.
     attention_config: dict[str, str] = field(default_factory=dict)
     # Keyword arguments of the attention forward that the model builds for all heads (ALiBi biases, masks
-    # with the bias folded in), heads at dim -3: each rank's attention gets only its heads (autotp.head_inputs).
+    # with the bias folded in), heads at dim -3: each rank's attention gets only its heads
+    # (autotp.parallel.head_inputs).
     head_inputs: tuple[str, ...] = ()
     unused_buffers: tuple[str, ...] = ()  # buffers HF builds but the forward never reads: freed on every rank
     source: str = "built-in"

@@ -23,10 +23,9 @@ import torch.distributed as dist
 
 import autotp
 from autotp import distributed
-from autotp.api import load_config
 from autotp.errors import AutotpError
 from autotp.generate import context_limit
-from autotp.hub import TOKENIZER_FILES, resolve_model_dir
+from autotp.hub import TOKENIZER_FILES, load_config, resolve_model_dir
 from autotp.serve import budget
 from autotp.serve.boundary import Served
 from autotp.serve.engine import Engine, StopFlag, follow

@@ -17,6 +17,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from autotp import distributed
+
 BUFFER = 4096
 HEADER = 8
 TIMEOUT_S = 60  # no broadcast waits longer than a heartbeat plus one step (a long prefill chunk included)
@@ -40,7 +42,7 @@ class Channel:
 
     def __init__(self):
         self.group = None
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if distributed.world_size() > 1:
             self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=TIMEOUT_S))
         self.buffer = torch.zeros(BUFFER, dtype=torch.uint8)
 
@@ -83,6 +85,6 @@ class Channel:
         """Every rank's value on every rank: start-up only, never per step."""
         if self.group is None:
             return [value]
-        out = [None] * dist.get_world_size(self.group)
+        out = [None] * distributed.world_size()
         dist.all_gather_object(out, value, group=self.group)
         return out

@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from autotp.collectives import GroupRef
 from autotp.errors import AutotpError
+from autotp.parallel.collectives import GroupRef
 
 # odd 61-bit multiplier: fingerprint = sum(ids[i] * (i + 1) * M) in wrapping int64 arithmetic, so
 # swapped, changed, added or dropped tokens all change it

@@ -4,9 +4,10 @@
 shapes), which is enough to validate a checkpoint against a model before a byte of weight is read.
 `Checkpoint.read` then opens the tensor's file, reads the shard's ranges with safetensors' lazy
 slicing (`safe_open(...).get_slice(name)[a:b]`) and closes it again: a handle held open for the whole
-load keeps every touched page of the memory map resident, opening per tensor lets them go. A fused
-experts tensor the checkpoint stores one tensor per expert (`ExpertKeys`) is assembled from the rank's
-slice of each.
+load keeps every touched page of the memory map resident, opening per tensor lets them go.
+`Checkpoint.assemble` builds one tensor out of slices of several (a fused experts tensor from the
+per-expert tensors the hub stores). Which tensor holds which parameter is the layout's business
+(`autotp.parallel.layout`): this module depends on nothing but errors and slice arithmetic.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import itertools
 import json
 import math
 import os
-import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +24,7 @@ import torch
 from safetensors import safe_open
 
 from autotp.errors import AutotpError
-from autotp.styles import REPLICATED, TensorShard
+from autotp.parallel.slices import TensorShard
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -37,6 +37,16 @@ DTYPES = {
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on the JSON header
 BLOCK_BYTES = 8 * 1024 * 1024  # rows read per file opening: bounds the memory-map pages resident at once
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One read of `Checkpoint.assemble`: `shard` of tensor `key`, written at row `row` of `out[index]`."""
+
+    key: str
+    shard: TensorShard
+    index: int
+    row: int
 
 
 @dataclass(frozen=True)
@@ -92,38 +102,6 @@ def _entry(path: Path, name: str, info, data_size: int) -> Entry:
         raise ValueError(f"tensor {name!r} of shape {tuple(shape)} and dtype {dtype} needs {nbytes} bytes, but its "
                          f"data_offsets {offsets[0]}:{offsets[1]} hold {offsets[1] - offsets[0]}")
     return Entry(path, DTYPES[dtype], tuple(shape))
-
-
-@dataclass(frozen=True)
-class ExpertKeys:
-    """A fused experts tensor (experts, rows, cols) stored the hub's way: keys[e][p] holds rows
-    p*h:(p+1)*h of expert e's matrix, (h, cols) with h = rows / parts (plans.plan.FusedSource)."""
-
-    shape: tuple[int, ...]  # the fused tensor's, global
-    keys: tuple[tuple[str, ...], ...]  # [expert][part]
-
-    def part_shape(self) -> tuple[int, int]:
-        return self.shape[1] // len(self.keys[0]), self.shape[2]
-
-    def reads(self, shard: TensorShard) -> list[tuple[str, TensorShard, int, int]]:
-        """`shard` of the fused tensor as reads of the parts: (key, shard of that part, the rank's expert index,
-        its first row in that expert's local matrix). A row slice (dim 1, e.g. gate rows a:b and up rows
-        I+a:I+b) reads rows of the parts it spans, a column slice (dim 2) the same columns of every part,
-        an expert slice (dim 0) only those experts' parts, whole."""
-        rows, h = self.shape[1], self.part_shape()[0]
-        experts = [e for a, b in shard.ranges for e in range(a, b)] if shard.dim == 0 else range(self.shape[0])
-        spans = shard.ranges if shard.dim == 1 else ((0, rows),)
-        out = []
-        for local, e in enumerate(experts):
-            row = 0
-            for a, b in spans:
-                for p in range(a // h, (b - 1) // h + 1):
-                    a_p, b_p = max(a, p * h) - p * h, min(b, (p + 1) * h) - p * h
-                    part = (TensorShard.along(0, [(a_p, b_p)]) if shard.dim == 1
-                            else TensorShard.along(1, list(shard.ranges)) if shard.dim == 2 else REPLICATED)
-                    out.append((self.keys[e][p], part, local, row))
-                    row += b_p - a_p
-        return out
 
 
 def _index_files(index: Path) -> list[str]:
@@ -183,62 +161,8 @@ class Checkpoint:
                 counts[e.dtype] = counts.get(e.dtype, 0) + 1
         return max(counts, key=counts.get) if counts else None
 
-    def validate(self, expected: dict[str, list[str]], params: dict[str, torch.Tensor],
-                 ignored: list[str] = (), per_expert: dict[str, ExpertKeys] | None = None
-                 ) -> dict[str, str | ExpertKeys]:
-        """Match the model's parameters to checkpoint keys before loading; return first name -> key.
-
-        expected: first name -> every name of that parameter (tied weights); params: first name -> the
-        model's (meta) parameter, for the global shape and the kind of dtype it wants. per_expert: first
-        name -> the per-expert tensors that may hold a fused experts parameter instead (its key is then
-        that ExpertKeys). Missing, unused and mis-shaped tensors are errors, and so is integer data for a
-        floating-point parameter or the reverse (`read` converts between floating dtypes only); `ignored`
-        are regexes of checkpoint keys the model declares it does not load (HF's
-        `_keys_to_ignore_on_load_unexpected`).
-        """
-        keys, missing, claimed = {}, [], set()
-        for first, names in expected.items():
-            present = [n for n in names if n in self.entries]
-            split = (per_expert or {}).get(first)
-            if not present and split is not None and any(k in self.entries for ks in split.keys for k in ks):
-                absent = [k for ks in split.keys for k in ks if k not in self.entries]
-                missing.extend(absent)
-                claimed.update(k for ks in split.keys for k in ks)
-                if not absent:
-                    keys[first] = split
-                    for k in (k for ks in split.keys for k in ks):
-                        self._check(k, split.part_shape(), params[first], first,
-                                    f" (one expert's part of {first} {split.shape})")
-                continue
-            if not present:
-                missing.append(first)
-                continue
-            claimed.update(present)
-            keys[first] = present[0]
-            self._check(present[0], tuple(params[first].shape), params[first], first)
-        if missing:
-            raise AutotpError(f"checkpoint in {self.directory} lacks {len(missing)} tensors the model needs: "
-                              f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
-        unused = [k for k in self.entries if k not in claimed and not any(re.search(p, k) for p in ignored)]
-        if unused:
-            raise AutotpError(f"checkpoint in {self.directory} has {len(unused)} tensors the model does not use: "
-                              f"{', '.join(sorted(unused)[:5])}{' ...' if len(unused) > 5 else ''}")
-        return keys
-
-    def _check(self, key: str, shape: tuple[int, ...], want: torch.Tensor, first: str, note: str = "") -> None:
-        """Tensor `key` has `shape` and the kind of dtype (floating or not) of the model's parameter `first`."""
-        entry = self.entries[key]
-        if entry.shape != shape:
-            raise AutotpError(f"checkpoint tensor {key} has shape {entry.shape} but the config gives {shape}{note}")
-        if entry.dtype.is_floating_point != want.dtype.is_floating_point:
-            raise AutotpError(f"checkpoint tensor {key} in {entry.file} is stored as {DTYPE_NAMES[entry.dtype]}, "
-                              f"but the model's {first} is {str(want.dtype).removeprefix('torch.')}")
-
-    def read(self, key: str | ExpertKeys, shard: TensorShard, dtype: torch.dtype | None) -> torch.Tensor:
-        """Read only `shard` of tensor `key` into a new tensor, converting floating-point data to `dtype`; a
-        fused experts tensor stored per expert is assembled from each part's slice, each read in blocks."""
-        if isinstance(key, ExpertKeys):
-            return self._read_experts(key, shard, dtype)
+    def read(self, key: str, shard: TensorShard, dtype: torch.dtype | None) -> torch.Tensor:
+        """Read only `shard` of tensor `key` into a new tensor, converting floating-point data to `dtype`."""
         entry = self.entries[key]
         target = dtype if dtype is not None and entry.dtype.is_floating_point else entry.dtype
         out = torch.empty(shard.local_shape(entry.shape), dtype=target)
@@ -246,13 +170,17 @@ class Checkpoint:
             out[where] = block
         return out
 
-    def _read_experts(self, key: ExpertKeys, shard: TensorShard, dtype: torch.dtype | None) -> torch.Tensor:
-        first = self.entries[key.keys[0][0]]
+    def assemble(self, shape: tuple[int, ...], pieces: list[Piece], dtype: torch.dtype | None) -> torch.Tensor:
+        """A new tensor of `shape` made of slices of other tensors: each piece's `shard` of its `key` is written
+        at `out[index].narrow(0, row, rows)` (a fused experts tensor from the per-expert tensors the hub
+        stores, each read in blocks)."""
+        first = self.entries[pieces[0].key]
         target = dtype if dtype is not None and first.dtype.is_floating_point else first.dtype
-        out = torch.empty(shard.local_shape(key.shape), dtype=target)
-        for part_key, part, expert, row in key.reads(shard):
-            dest = out[expert].narrow(0, row, part.local_shape(key.part_shape())[0])
-            for where, block in self.blocks(part_key, part, dtype):
+        out = torch.empty(shape, dtype=target)
+        for piece in pieces:
+            rows = piece.shard.local_shape(self.entries[piece.key].shape)[0]
+            dest = out[piece.index].narrow(0, piece.row, rows)
+            for where, block in self.blocks(piece.key, piece.shard, dtype):
                 dest[where] = block
         return out
 

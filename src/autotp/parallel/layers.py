@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autotp.collectives import all_gather_last_dim, all_reduce_sum
-from autotp.quant import QuantizedWeight
+from autotp.parallel.collectives import all_gather_last_dim, all_reduce_sum
+from autotp.quant.weights import QuantizedWeight
 
 
 class ColwiseLinear(nn.Linear):

@@ -1,7 +1,8 @@
 """Parallel styles: the vocabulary a plan is written in, and the slice of each weight a style gives a rank.
 
 Every style has the two methods of `Style`: `shards()` gives the `TensorShard` of each parameter (which
-rows or columns of the checkpoint tensor a rank holds) and `build()` makes the per-rank module.
+rows or columns of the checkpoint tensor a rank holds) and `build()` makes the per-rank module from those
+shards, as the layout resolved them (its sizes are read off the shards, never worked out again).
 Styles know layouts (`[Q | K | V]` blocks, per-head interleaving) but no model: the plans in `plans/` say
 which module gets which style.
 
@@ -19,68 +20,10 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from autotp import layers
 from autotp.errors import AutotpError
-from autotp.partition import HeadShard, even_split
-
-Range = tuple[int, int]
-
-
-@dataclass(frozen=True)
-class TensorShard:
-    """The part of one tensor a rank holds: ranges [a, b) along `dim`, concatenated in order.
-
-    `dim is None` means the whole tensor (replicated). The ranges keep their meaning (Q rows, K rows, V
-    rows) for `describe`; `reads()` merges adjacent ones so a slice is read with as few reads as possible.
-    """
-
-    dim: int | None = None
-    ranges: tuple[Range, ...] = ()
-
-    @staticmethod
-    def along(dim: int, ranges: list[Range]) -> TensorShard:
-        return TensorShard(dim, tuple((a, b) for a, b in ranges if b > a))
-
-    def reads(self) -> list[Range]:
-        """The ranges with adjacent ones merged: what a reader should fetch."""
-        merged: list[Range] = []
-        for a, b in self.ranges:
-            if merged and merged[-1][1] == a:
-                merged[-1] = (merged[-1][0], b)
-            else:
-                merged.append((a, b))
-        return merged
-
-    @property
-    def replicated(self) -> bool:
-        return self.dim is None
-
-    def local_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        if self.dim is None:
-            return tuple(shape)
-        local = list(shape)
-        local[self.dim] = sum(b - a for a, b in self.ranges)
-        return tuple(local)
-
-    def take(self, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's part of a full tensor, as a new tensor (pure indexing: bit-exact). Also when replicated:
-        a tensor that views the caller's storage would keep it alive, e.g. a model's whole safetensors file
-        mapping, every touched page of it resident, after init_inference has dropped the full weights."""
-        if self.dim is None:
-            return tensor.clone()
-        parts = [tensor.narrow(self.dim, a, b - a) for a, b in self.reads()]
-        return torch.cat(parts, dim=self.dim) if len(parts) != 1 else parts[0].clone()
-
-    def describe(self, ndim: int = 2) -> str:
-        """E.g. "rows 0:12 + 48:60"; rows and cols are the last two dims of an `ndim`-dim tensor (of each
-        expert's matrix in a 3-D experts tensor), rows the only dim of a 1-D one."""
-        if self.dim is None:
-            return "replicated"
-        what = {max(0, ndim - 2): "rows", ndim - 1: "cols"}.get(self.dim, f"dim {self.dim}") if ndim > 1 else "rows"
-        return f"{what} " + " + ".join(f"{a}:{b}" for a, b in self.ranges)
-
-
-REPLICATED = TensorShard()
+from autotp.parallel import layers
+from autotp.parallel.partition import HeadShard, even_split
+from autotp.parallel.slices import REPLICATED, Range, TensorShard
 
 
 @dataclass(frozen=True)
@@ -103,6 +46,11 @@ class Geometry:
     out_features: int
     in_features: int
     conv1d: bool
+
+    @property
+    def out_dim(self) -> int:
+        """The weight dim that holds the outputs."""
+        return 1 if self.conv1d else 0
 
     @staticmethod
     def of(module: nn.Module) -> Geometry:
@@ -127,8 +75,18 @@ class Style(Protocol):
     def shards(self, module: nn.Module, ctx: RankContext) -> dict[str, TensorShard]:
         """Parameter name -> the rank's part of it; a parameter left out is replicated."""
 
-    def build(self, module: nn.Module, ctx: RankContext, group) -> nn.Module:
-        """The rank's replacement for `module`, parameters on meta at their per-rank shapes."""
+    def build(self, module: nn.Module, shards: Shards, ctx: RankContext, group) -> nn.Module:
+        """The rank's replacement for `module`, parameters on meta at their per-rank shapes; `shards` is
+        `shards()` as resolved for every rank: parameter name -> (rank 0's part, rank 1's, ...)."""
+
+
+# parameter name -> every rank's TensorShard of it, as the layout resolved them
+Shards = dict[str, tuple[TensorShard, ...]]
+
+
+def local_size(module: nn.Module, shards: Shards, rank: int, dim: int) -> int:
+    """The rank's size along `dim` of `module.weight`, from its resolved shard."""
+    return shards["weight"][rank].local_shape(tuple(module.weight.shape))[dim]
 
 
 class _ColumnParallel:
@@ -144,9 +102,9 @@ class _ColumnParallel:
         ranges = self.out_ranges(geometry.out_features, ctx)
         return {"weight": geometry.outputs(ranges), "bias": TensorShard.along(0, ranges)}
 
-    def build(self, module: nn.Module, ctx: RankContext, group) -> nn.Module:
+    def build(self, module: nn.Module, shards: Shards, ctx: RankContext, group) -> nn.Module:
         g = Geometry.of(module)
-        out_per_rank = sum(b - a for a, b in self.out_ranges(g.out_features, ctx))
+        out_per_rank = local_size(module, shards, ctx.rank, g.out_dim)
         cls = layers.ColwiseConv1D if g.conv1d else layers.ColwiseLinear
         return cls(g.in_features, out_per_rank, g.out_features, module.bias is not None, module.weight.dtype)
 
@@ -231,11 +189,11 @@ class Rowwise:
         geometry = Geometry.of(module)
         return {"weight": geometry.inputs([self.in_range(geometry.in_features, ctx)]), "bias": REPLICATED}
 
-    def build(self, module: nn.Module, ctx: RankContext, group) -> nn.Module:
+    def build(self, module: nn.Module, shards: Shards, ctx: RankContext, group) -> nn.Module:
         g = Geometry.of(module)
-        a, b = self.in_range(g.in_features, ctx)
+        in_per_rank = local_size(module, shards, ctx.rank, 1 - g.out_dim)
         cls = layers.RowwiseConv1D if g.conv1d else layers.RowwiseLinear
-        return cls(b - a, g.out_features, g.in_features, module.bias is not None, module.weight.dtype, group)
+        return cls(in_per_rank, g.out_features, g.in_features, module.bias is not None, module.weight.dtype, group)
 
 
 @dataclass(frozen=True)
@@ -245,13 +203,13 @@ class Vocab:
     def shards(self, module: nn.Module, ctx: RankContext) -> dict[str, TensorShard]:
         return {"weight": TensorShard.along(0, [even_split(module.num_embeddings, ctx.tp)[ctx.rank]])}
 
-    def build(self, module: nn.Module, ctx: RankContext, group) -> nn.Module:
+    def build(self, module: nn.Module, shards: Shards, ctx: RankContext, group) -> nn.Module:
         # An embedding subclass with its own forward would lose it; the one such forward known is a scale.
         scale = getattr(module, "embed_scale", None)
         if type(module).forward is not nn.Embedding.forward and not isinstance(scale, torch.Tensor):
             raise AutotpError(f"{type(module).__name__} changes nn.Embedding's forward: the vocab style cannot "
                               "shard it")
-        start, stop = even_split(module.num_embeddings, ctx.tp)[ctx.rank]
+        (start, stop), = shards["weight"][ctx.rank].ranges
         return layers.VocabParallelEmbedding(module.num_embeddings, module.embedding_dim, start, stop,
                                              module.padding_idx, module.weight.dtype, group, scale)
 
@@ -264,9 +222,9 @@ class VocabHead:
         rows = TensorShard.along(0, [even_split(module.out_features, ctx.tp)[ctx.rank]])
         return {"weight": rows, "bias": rows}
 
-    def build(self, module: nn.Module, ctx: RankContext, group) -> nn.Module:
+    def build(self, module: nn.Module, shards: Shards, ctx: RankContext, group) -> nn.Module:
         g = Geometry.of(module)
-        sizes = [b - a for a, b in even_split(g.out_features, ctx.tp)]
+        sizes = [local_size(module, shards, rank, 0) for rank in range(ctx.tp)]
         return layers.VocabParallelLMHead(g.in_features, sizes, module.bias is not None, module.weight.dtype, group,
                                           ctx.rank)
 
@@ -368,6 +326,6 @@ class FusedExperts:
         a, b = even_split(size // granule, ctx.tp)[ctx.rank]
         return a * granule, b * granule
 
-    def build(self, module: nn.Module, ctx: RankContext, group) -> nn.Module:
+    def build(self, module: nn.Module, shards: Shards, ctx: RankContext, group) -> nn.Module:
         module.register_forward_hook(layers.SumOverRanks(group))
         return module

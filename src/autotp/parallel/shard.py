@@ -16,12 +16,13 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from autotp.collectives import GroupRef
 from autotp.errors import AutotpError
-from autotp.head_inputs import NarrowHeads
-from autotp.layout import Layout, Param
-from autotp.quant import QuantizedWeight
-from autotp.styles import RankContext, Style, TensorShard
+from autotp.parallel.collectives import GroupRef
+from autotp.parallel.head_inputs import NarrowHeads
+from autotp.parallel.layout import Layout, Param
+from autotp.parallel.slices import TensorShard
+from autotp.parallel.styles import RankContext, Style
+from autotp.quant.weights import QuantizedWeight
 
 # produce(param, the rank's shard of it, the model's current parameter: meta, or the full loaded weight)
 # -> the rank's tensor on its device, or its QuantizedWeight when the layout quantizes it
@@ -50,7 +51,8 @@ def parallelize(model: nn.Module, layout: Layout, rank: int, group: GroupRef | N
 
     def swap(path: str, style: Style) -> None:  # a function, so the old module is released when it returns
         module = model.get_submodule(path)
-        new = style.build(module, ctx, group)
+        shards = {pname: layout.param(f"{path}.{pname}").shards for pname, _ in module.named_parameters(recurse=False)}
+        new = style.build(module, shards, ctx, group)
         for pname, param in module.named_parameters(recurse=False):
             value = per_rank(f"{path}.{pname}", param)
             if isinstance(value, QuantizedWeight):  # a module where the layer had a Parameter

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from autotp.errors import AutotpError
-from autotp.partition import HeadShard
+from autotp.parallel.partition import HeadShard
 
 
 def narrow_heads(tensor: torch.Tensor, heads: HeadShard) -> torch.Tensor:

@@ -18,6 +18,7 @@ weight or talks to another rank; the model may be a meta skeleton.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -25,12 +26,45 @@ import torch
 from torch import nn
 
 from autotp.errors import AutotpError
-from autotp.loader import Checkpoint, ExpertKeys
-from autotp.partition import HeadShard
+from autotp.loading.checkpoint import DTYPE_NAMES, Checkpoint, Piece
+from autotp.parallel.partition import HeadShard
+from autotp.parallel.slices import REPLICATED, TensorShard
+from autotp.parallel.styles import Geometry, RankContext, Rowwise, Style
 from autotp.plans import Plan
-from autotp.quant import INT4_GROUPS, Quant, kernel_fits
-from autotp.quant_load import QuantTarget
-from autotp.styles import REPLICATED, Geometry, RankContext, Rowwise, Style, TensorShard
+from autotp.quant.load import QuantTarget
+from autotp.quant.weights import INT4_GROUPS, Quant, kernel_fits
+
+
+@dataclass(frozen=True)
+class ExpertKeys:
+    """A fused experts tensor (experts, rows, cols) stored the hub's way: keys[e][p] holds rows
+    p*h:(p+1)*h of expert e's matrix, (h, cols) with h = rows / parts (plans.plan.FusedSource)."""
+
+    shape: tuple[int, ...]  # the fused tensor's, global
+    keys: tuple[tuple[str, ...], ...]  # [expert][part]
+
+    def part_shape(self) -> tuple[int, int]:
+        return self.shape[1] // len(self.keys[0]), self.shape[2]
+
+    def reads(self, shard: TensorShard) -> list[Piece]:
+        """`shard` of the fused tensor as reads of the parts, for `Checkpoint.assemble`: (key, shard of that part,
+        the rank's expert index, its first row in that expert's local matrix). A row slice (dim 1, e.g. gate
+        rows a:b and up rows I+a:I+b) reads rows of the parts it spans, a column slice (dim 2) the same
+        columns of every part, an expert slice (dim 0) only those experts' parts, whole."""
+        rows, h = self.shape[1], self.part_shape()[0]
+        experts = [e for a, b in shard.ranges for e in range(a, b)] if shard.dim == 0 else range(self.shape[0])
+        spans = shard.ranges if shard.dim == 1 else ((0, rows),)
+        out = []
+        for local, e in enumerate(experts):
+            row = 0
+            for a, b in spans:
+                for p in range(a // h, (b - 1) // h + 1):
+                    a_p, b_p = max(a, p * h) - p * h, min(b, (p + 1) * h) - p * h
+                    part = (TensorShard.along(0, [(a_p, b_p)]) if shard.dim == 1
+                            else TensorShard.along(1, list(shard.ranges)) if shard.dim == 2 else REPLICATED)
+                    out.append(Piece(self.keys[e][p], part, local, row))
+                    row += b_p - a_p
+        return out
 
 
 @dataclass(frozen=True)
@@ -199,5 +233,58 @@ def _checkpoint_keys(checkpoint: Checkpoint, model: nn.Module, plan: Plan,
         keys = plan.expert_keys(first, meta.shape[0]) if meta.dim() == 3 else None
         if keys is not None:
             per_expert[first] = ExpertKeys(tuple(meta.shape), keys)
-    return checkpoint.validate(expected, metas, getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [],
+    return match_keys(checkpoint, expected, metas, getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [],
                                per_expert)
+
+
+def match_keys(checkpoint: Checkpoint, expected: dict[str, list[str]], params: dict[str, torch.Tensor],
+               ignored: list[str] = (), per_expert: dict[str, ExpertKeys] | None = None
+               ) -> dict[str, str | ExpertKeys]:
+    """Match the model's parameters to checkpoint keys before loading; return first name -> key.
+
+    expected: first name -> every name of that parameter (tied weights); params: first name -> the
+    model's (meta) parameter, for the global shape and the kind of dtype it wants. per_expert: first
+    name -> the per-expert tensors that may hold a fused experts parameter instead (its key is then
+    that ExpertKeys). Missing, unused and mis-shaped tensors are errors, and so is integer data for a
+    floating-point parameter or the reverse (`Checkpoint.read` converts between floating dtypes only); `ignored`
+    are regexes of checkpoint keys the model declares it does not load (HF's
+    `_keys_to_ignore_on_load_unexpected`).
+    """
+    keys, missing, claimed = {}, [], set()
+    for first, names in expected.items():
+        present = [n for n in names if n in checkpoint.entries]
+        split = (per_expert or {}).get(first)
+        if not present and split is not None and any(k in checkpoint.entries for ks in split.keys for k in ks):
+            absent = [k for ks in split.keys for k in ks if k not in checkpoint.entries]
+            missing.extend(absent)
+            claimed.update(k for ks in split.keys for k in ks)
+            if not absent:
+                keys[first] = split
+                for k in (k for ks in split.keys for k in ks):
+                    _check(checkpoint, k, split.part_shape(), params[first], first,
+                                f" (one expert's part of {first} {split.shape})")
+            continue
+        if not present:
+            missing.append(first)
+            continue
+        claimed.update(present)
+        keys[first] = present[0]
+        _check(checkpoint, present[0], tuple(params[first].shape), params[first], first)
+    if missing:
+        raise AutotpError(f"checkpoint in {checkpoint.directory} lacks {len(missing)} tensors the model needs: "
+                          f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+    unused = [k for k in checkpoint.entries if k not in claimed and not any(re.search(p, k) for p in ignored)]
+    if unused:
+        raise AutotpError(f"checkpoint in {checkpoint.directory} has {len(unused)} tensors the model does not use: "
+                          f"{', '.join(sorted(unused)[:5])}{' ...' if len(unused) > 5 else ''}")
+    return keys
+
+def _check(checkpoint: Checkpoint, key: str, shape: tuple[int, ...], want: torch.Tensor, first: str,
+           note: str = "") -> None:
+    """Tensor `key` has `shape` and the kind of dtype (floating or not) of the model's parameter `first`."""
+    entry = checkpoint.entries[key]
+    if entry.shape != shape:
+        raise AutotpError(f"checkpoint tensor {key} has shape {entry.shape} but the config gives {shape}{note}")
+    if entry.dtype.is_floating_point != want.dtype.is_floating_point:
+        raise AutotpError(f"checkpoint tensor {key} in {entry.file} is stored as {DTYPE_NAMES[entry.dtype]}, "
+                          f"but the model's {first} is {str(want.dtype).removeprefix('torch.')}")

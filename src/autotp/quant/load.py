@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from autotp.quant import Quant, QuantizedWeight, int8_scales, pack_int4, quantize_int4, quantize_int8
+from autotp.quant.weights import Quant, QuantizedWeight, int8_scales, pack_int4, quantize_int4, quantize_int8
 
 # (first local row, block of rows) in the checkpoint's layout, in order, covering the rank's slice
 Blocks = Callable[[int | None], Iterable[tuple[int, torch.Tensor]]]

@@ -127,13 +127,13 @@ def kernel_fits(kind: str, out_features: int, in_features: int, group_size: int,
     return None
 
 
-def check_kernel(kind: str, device: torch.device, dtype: torch.dtype) -> None:
+def check_kernel(kind: str, device_type: str, dtype: torch.dtype) -> None:
     """A clear error, before loading, for a device and dtype with no kernel: a silent dequantized model
     would be slower than the unquantized one and hold both."""
-    if device.type == "cpu":
+    if device_type == "cpu":
         return
-    if device.type != "cuda":
-        raise AutotpError(f"--quantize {kind} has kernels for cpu and cuda, not {device.type}")
+    if device_type != "cuda":
+        raise AutotpError(f"--quantize {kind} has kernels for cpu and cuda, not {device_type}")
     if kind == "int4" and dtype != torch.bfloat16:
         raise AutotpError(f"--quantize int4 on CUDA needs --dtype bfloat16 (torch's int4 kernel), got "
                           f"{str(dtype).removeprefix('torch.')}")

@@ -1,0 +1,81 @@
+"""The prologue every entry point shares, worked out once: config, plan, held dtype, quantization and its
+kernel check for the device, checkpoint headers, and the resolved layout.
+
+`from_pretrained`, `init_inference` and `autotp plan` all start here (`autotp serve` through
+`from_pretrained`), so one rule decides each of these facts and everything is checked before a weight is
+read. Nothing here reads a weight or talks to another rank.
+
+The held dtype: the one asked for, else the checkpoint's floating dtype, else the config's, else float32
+(a loaded model: the one asked for, else its own).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from autotp.errors import AutotpError
+from autotp.hub import load_config
+from autotp.loading.checkpoint import INDEX, SINGLE, Checkpoint
+from autotp.loading.skeleton import skeleton
+from autotp.parallel.layout import Layout, resolve
+from autotp.plans import Plan, plan_for
+from autotp.quant.weights import INT4_GROUP, Quant, check_kernel
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise AutotpError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+@dataclass(frozen=True)
+class Prepared:
+    config: object
+    plan: Plan
+    dtype: torch.dtype  # what floating parameters are held in (quantized weights: their scales)
+    quant: Quant | None
+    checkpoint: Checkpoint | None  # its headers; None for a loaded model, or a config-only plan
+    model: nn.Module  # a meta skeleton, or the user's loaded model (init_inference)
+    layout: Layout
+
+
+def _config_dtype(config) -> torch.dtype | None:
+    dtype = getattr(config, "dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def prepare(tp: int, device_type: str, *, model_dir: str | os.PathLike | None = None, model: nn.Module | None = None,
+            dtype: str | torch.dtype | None = None, quantize: str | None = None, group_size: int = INT4_GROUP,
+            checkpoint: bool = True, buffers: bool = True) -> Prepared:
+    """Everything about loading `model_dir` (a meta skeleton of it; checkpoint=False: its headers only when
+    it has safetensors files, as `autotp plan` wants) or sharding the loaded `model` at `tp` ranks of
+    `device_type`, checked; raises AutotpError on anything that cannot load."""
+    quant = Quant.parse(quantize, group_size)
+    asked = parse_dtype(dtype)
+    if model is not None:
+        config, ckpt = model.config, None
+        held = asked or next(model.parameters()).dtype
+    else:
+        directory = Path(model_dir)
+        config = load_config(directory)
+        has_weights = (directory / INDEX).exists() or (directory / SINGLE).exists()
+        ckpt = Checkpoint(directory) if checkpoint or has_weights else None
+        held = asked or (ckpt and ckpt.floating_dtype()) or _config_dtype(config) or torch.float32
+    plan = plan_for(config)
+    if quant is not None:
+        check_kernel(quant.kind, device_type, held)
+    net = model if model is not None else skeleton(config, held, buffers=buffers)
+    layout = resolve(net, plan, tp, ckpt, quant, dtype=asked if model is not None else None,
+                     device_type=device_type)
+    return Prepared(config, plan, held, quant, ckpt, net, layout)
