@@ -9,6 +9,15 @@ import autotp
 from autotp.generate import generate
 
 
+def held_bytes(model) -> int:
+    """Bytes of the weights a rank's model really holds: its parameters, and quantized weights with their
+    scales (the oracle for `model.autotp.param_bytes`, which is the layout's count)."""
+    from autotp.quant.weights import QuantizedWeight
+
+    quantized = sum(m.nbytes() for m in model.modules() if isinstance(m, QuantizedWeight))
+    return quantized + sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def sharded_outputs(model_dir: str, prompt: list[list[int]], new_tokens: int, seed: int) -> dict:
     """Load this rank's shard and run what the parity test compares against the unsharded model."""
     model = autotp.from_pretrained(model_dir)
@@ -21,6 +30,7 @@ def sharded_outputs(model_dir: str, prompt: list[list[int]], new_tokens: int, se
     beams = generate(model, ids, max_new_tokens=12, num_beams=3)
     return {
         "info": model.autotp,
+        "held_bytes": held_bytes(model),
         "state": {k: v.clone() for k, v in model.state_dict().items()},
         "logits": logits,
         "greedy": greedy.tolist(),
@@ -128,7 +138,7 @@ def quant_rank_outputs(model_dir: str, quantize: str, group_size: int) -> dict:
         logits = model(ids).logits
     state = {k: v.clone() for k, v in model.state_dict().items() if k.endswith((".qweight", ".scales"))}
     return {"state": state, "logits": logits, "greedy": generate(model, ids, max_new_tokens=16).tolist(),
-            "bytes": model.autotp.param_bytes}
+            "bytes": model.autotp.param_bytes, "held_bytes": held_bytes(model)}
 
 
 def downloader_without_local_rank() -> bool:

@@ -35,7 +35,7 @@ def test_each_rank_reads_only_its_planned_slices(pools, checkpoint, tp):
     replicated = sum(t["bytes"] for t in planned[0]["tensors"] if t["holds"] == "replicated")
     kv_rows = sum(full[k][96:].numel() * 4 for k in full if "c_attn" in k)  # K/V: 2*head_dim rows per layer
     for r, plan in zip(ranks, planned, strict=True):
-        assert r["info"].bytes_read == plan["total_bytes"] == r["info"].param_bytes
+        assert r["info"].bytes_read == plan["total_bytes"] == r["info"].param_bytes == r["held_bytes"]
         assert r["info"].bytes_read < file_bytes / tp + replicated + kv_rows
     # every byte of the file is read by some rank; replicated ones (K/V included) by all of them
     assert sum(r["info"].bytes_read for r in ranks) == file_bytes + (tp - 1) * (replicated + kv_rows)

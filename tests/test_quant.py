@@ -108,6 +108,7 @@ def test_quantized_tp_is_exact(pools, quant_checkpoint, name, kind):
                 assert torch.equal(out["state"][f"{name_}.qweight"], q), f"tp {tp} rank {r}: {name_}"
                 assert torch.equal(out["state"][f"{name_}.scales"], scales), f"tp {tp} rank {r}: {name_} scales"
             assert out["greedy"] == ref_greedy, f"tp {tp} rank {r}"
+            assert out["bytes"] == layout.rank_bytes(r) == out["held_bytes"], f"tp {tp} rank {r}"
             diff = (out["logits"] - ref_logits).abs().max().item()
             assert diff < 5e-4 * max(1.0, ref_logits.abs().max().item()), f"tp {tp} rank {r}: {diff}"
 
@@ -192,3 +193,17 @@ def test_packing_in_chunks_of_64_rows_is_packing_whole():
     q = torch.randint(0, 16, (192, 128), dtype=torch.uint8)
     whole = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
     assert torch.equal(pack_int4(q, torch.device("cpu")), whole)
+
+
+def test_autotp_plan_checks_the_kernels_of_the_device_it_is_told():
+    """`autotp plan --device cuda` refuses what loading on CUDA would (it used to check CPU's rules only);
+    the demo model at tp 1: 288 input features are whole groups of 32 (CPU packs them), not a multiple
+    of CUDA's 128 (c_attn: 12 query heads + 2 x 1 KV head of 24 = 336 rows)."""
+    from autotp.cli import default_model
+    from autotp.report import plan_report
+
+    assert plan_report(default_model(), 1, quantize="int4", group_size=32, device_type="cpu")["ranks"]
+    with pytest.raises(AutotpError, match="on CUDA needs --dtype bfloat16"):
+        plan_report(default_model(), 1, quantize="int4", group_size=32, device_type="cuda")
+    with pytest.raises(AutotpError, match=r"\(336, 288\) is not a weight CUDA's int4 kernel packs"):
+        plan_report(default_model(), 1, "bfloat16", "int4", 32, device_type="cuda")
