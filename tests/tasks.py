@@ -152,3 +152,14 @@ def downloader_without_local_rank() -> bool:
         return _downloads_for_this_node()
     finally:
         os.environ["LOCAL_RANK"] = saved
+
+
+def greedy_ids(model_dir: str, prompts: list[list[int]], new_tokens: int, quantize: str | None = None,
+               group_size: int = 128) -> list[list[int]]:
+    """This rank's shard of model_dir (quantized as asked), and each prompt's greedy continuation."""
+    model = autotp.from_pretrained(model_dir, quantize=quantize, group_size=group_size)
+    out = []
+    for ids in prompts:
+        x = torch.tensor([ids])
+        out.append(generate(model, x, max_new_tokens=new_tokens)[0, x.shape[1]:].tolist())
+    return out

