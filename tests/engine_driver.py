@@ -84,13 +84,13 @@ def run_on_ranks(model, tokenizer, make_arrivals, limits: Limits = ROOMY) -> lis
 
 
 def serve_rows(model_dir: str, tokenizer_dir: str, prompts: list[list[int]], spec: list[tuple],
-               limits: Limits) -> list | None:
+               limits: Limits, quantize: str | None = None, group_size: int = 128) -> list | None:
     """A pool task: this rank's shard of model_dir, then run_on_ranks over spec's rows (see test_continuous)."""
     from transformers import AutoTokenizer
 
     import autotp
 
-    model = autotp.from_pretrained(model_dir, check_inputs=False)
+    model = autotp.from_pretrained(model_dir, check_inputs=False, quantize=quantize, group_size=group_size)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
 
     def arrivals() -> dict[int, list[Job]]:

@@ -254,3 +254,21 @@ def test_a_forward_that_raises_fails_its_rows_with_500_and_the_engine_goes_on(to
     assert pair[0].emit.ended[2] == (500, "generation failed: RuntimeError: injected failure")
     x = torch.tensor([later.row.ids])
     assert tokens_of(later.emit.ended) == generate(model, x, max_new_tokens=10)[0, 3:].tolist()
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantized_rows_get_what_one_process_gives(pools, tokenizer, tmp_path, kind):
+    """`autotp serve --quantize`: the engine at tp 2 on a quantized multi-query model gives each row the tokens
+    the same model quantized in one process gives it alone (test_quant's shapes: groups of 32 stay whole)."""
+    from engine_driver import serve_rows
+    from test_quant import GROUP, config
+
+    import autotp
+
+    torch.manual_seed(0)
+    from transformers import AutoModelForCausalLM
+    checkpoints.widen(AutoModelForCausalLM.from_config(config("bigcode_mqa"), dtype=torch.float32)).save_pretrained(
+        tmp_path)
+    ranks = pools(2).run(serve_rows, str(tmp_path), tokenizer.name_or_path, prompts(), SPEC, LIMITS, kind, GROUP)
+    assert [tokens_of(e) for e in ranks[0]] == alone(autotp.from_pretrained(str(tmp_path), quantize=kind,
+                                                                          group_size=GROUP))

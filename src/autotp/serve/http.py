@@ -122,7 +122,7 @@ def build_app(served: Served, engine: Engine, metrics: Metrics, max_body_bytes: 
             log_request(cid, e.status, start, metrics, error=e.message)
             raise
 
-    async def answer(request: Request, prefix: str, parse_fn, stream_fn=None):
+    async def answer(request: Request, prefix: str, parse_fn):
         """Check the request, queue its rows, and answer: whole, or as server-sent events."""
         cid, start = f"{prefix}-{uuid.uuid4().hex[:24]}", time.monotonic()
         parsed = await parse(request, cid, start, parse_fn)
@@ -141,7 +141,7 @@ def build_app(served: Served, engine: Engine, metrics: Metrics, max_body_bytes: 
             call.log(503, "shutting down")
             raise ApiError(503, "the server is shutting down", type="server_error")
         if parsed.stream:
-            return StreamingResponse((stream_fn or _stream)(call), media_type="text/event-stream")
+            return StreamingResponse(_stream(call), media_type="text/event-stream")
         await _collect(request, call)
         p = call.parsed
         return JSONResponse(p.answer.body(call.cid, p.rows, call.ordered(), p.prompt_tokens))
@@ -178,11 +178,11 @@ def build_app(served: Served, engine: Engine, metrics: Metrics, max_body_bytes: 
 
     @app.post("/generate_stream")
     async def generate_stream(request: Request):
-        return await answer(request, "tgi", tgi_api.parse_generate_stream, stream_fn=tgi_stream)
+        return await answer(request, "tgi", tgi_api.parse_generate_stream)
 
     @app.post("/")
     async def compat(request: Request):  # TGI's route for the Inference API's clients: stream or not
-        return await answer(request, "tgi", tgi_api.parse_compat, stream_fn=tgi_stream)
+        return await answer(request, "tgi", tgi_api.parse_compat)
 
     return app
 
@@ -206,8 +206,9 @@ async def _collect(request: Request, call: Call) -> None:
 
 
 async def _stream(call: Call):
-    """OpenAI's server-sent events: the answer's chunks per token and per finished row, then its end.
-    Starlette closes this generator when the client disconnects: its unfinished jobs are cancelled."""
+    """Server-sent events, as the request's protocol words them (openai_api, tgi_api): per token, per finished
+    row, at the end. Starlette closes this generator when the client disconnects: its unfinished jobs are
+    cancelled."""
     answer, status, error = call.parsed.answer, 499, "the client went away"  # nginx's code, until complete
     try:
         for item in answer.start(call.cid, call.parsed.rows):
@@ -221,35 +222,12 @@ async def _stream(call: Call):
                 call.results[index] = payload
                 for item in answer.finish(call.cid, index, payload):
                     yield _sse(item)
-            else:  # the status line is sent already: the error travels as an event, as OpenAI's does
+            else:  # the status line is sent already: the error travels as an event, as OpenAI's and TGI's do
                 status, error = payload
                 yield _sse(answer.error_event(ApiError(status, error, type="server_error")))
                 return
         for item in answer.end(call.cid, call.ordered(), call.parsed.prompt_tokens):
             yield _sse(item)
-        status, error = 200, ""
-    finally:
-        if status != 200:
-            call.cancel_unfinished()
-        call.log(status, error)
-
-
-async def tgi_stream(call: Call):
-    """TGI's server-sent events (one row): a token event per token, the last one with the text and details."""
-    answer, status, error = call.parsed.answer, 499, "the client went away"
-    try:
-        while not call.results:
-            kind, _, payload = await call.events.get()
-            if kind == "token":
-                answer.token(payload)
-            elif kind == "done":
-                call.results[0] = payload
-            else:
-                status, error = payload
-                yield f"data: {json.dumps(tgi_api.error_body(ApiError(status, error, type='server_error')))}\n\n"
-                return
-            for item in answer.events(call.parsed.rows[0], call.results.get(0)):
-                yield _sse(item)
         status, error = 200, ""
     finally:
         if status != 200:

@@ -172,10 +172,27 @@ class Generation:
         out |= {"details": self._details(rows[0], results[0])} if self.details else {}
         return [out] if self.compat else out
 
-    def token(self, piece: Piece) -> None:
-        self.pending.append(piece)
+    # the streaming interface http.py drives (as openai_api's answers): events per token, per finished row,
+    # at the end; TGI's stream has no [DONE]
 
-    def events(self, row: Row, result: Result | None) -> list[dict]:
+    def start(self, cid: str, rows: list[Row]) -> list[dict]:
+        self.row = rows[0]
+        return []
+
+    def piece(self, cid: str, index: int, piece: Piece) -> list[dict]:
+        self.pending.append(piece)
+        return self._events(None)
+
+    def finish(self, cid: str, index: int, result: Result) -> list[dict]:
+        return self._events(result)
+
+    def end(self, cid: str, results: list[Result], prompt_tokens: int) -> list[dict]:
+        return []
+
+    def error_event(self, error: ApiError) -> dict:
+        return error_body(error)
+
+    def _events(self, result: Result | None) -> list[dict]:
         """StreamResponse events for the tokens received so far; the last token's event waits for the row's
         result, since it carries the generated text (and the details, when asked for)."""
         ready = self.pending if result is not None else self.pending[:-1]
@@ -195,7 +212,7 @@ class Generation:
                 if self.details:
                     reason = "stop_sequence" if result.stopped_by else FINISH[result.finish_reason]
                     event["details"] = {"finish_reason": reason, "generated_tokens": result.completion_tokens,
-                                        "seed": self.seed if self.sampled else None, "input_length": len(row.ids)}
+                                        "seed": self.seed if self.sampled else None, "input_length": len(self.row.ids)}
             out.append(event)
         return out
 
