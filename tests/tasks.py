@@ -80,6 +80,23 @@ def die_while_generating(model_dir: str, victim: int, out: str, at_forward: int 
         json.dump(outcome | {"forwards": len(calls)}, f)
 
 
+def report_failure(messages: list[str], rank0_late_s: float = 0.0) -> list[str]:
+    """`autotp.distributed.fail(messages[rank])` on every rank as the CLI calls it, rank 0 `rank0_late_s` after the
+    others: the lines this rank printed."""
+    import contextlib
+    import io
+    import time
+
+    from autotp import distributed
+
+    if dist.get_rank() == 0:
+        time.sleep(rank0_late_s)
+    printed = io.StringIO()
+    with contextlib.redirect_stderr(printed):
+        assert distributed.fail(messages[dist.get_rank()], code=2) == 2
+    return printed.getvalue().splitlines()
+
+
 def compiled_layers(model_dir: str) -> dict:
     """The parallel layers trace with torch.compile(fullgraph=True): no graph break at a collective."""
     model = autotp.from_pretrained(model_dir)
