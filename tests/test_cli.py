@@ -288,7 +288,7 @@ def test_serve_refuses_to_start_without_a_tokenizer(family_checkpoint, capsys):
     assert main(["serve", "--model", model_dir, "--port", "0"]) == 2
     assert error_lines(capsys.readouterr().err) == [
         f"autotp: error: autotp serve needs a tokenizer, and none loads from {model_dir} (no tokenizer files: "
-        "transformers built an empty GPTNeoXTokenizer)"]
+        "transformers built an empty GPTNeoXTokenizer): give --tokenizer"]
 
 
 def test_a_tokenizer_that_encodes_text_to_nothing_is_refused_when_it_loads(tmp_path):
