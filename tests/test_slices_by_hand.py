@@ -12,6 +12,7 @@ rank's local tensor holds them; `indices` expands both sides so that "0:10 + 10:
 """
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from autotp.errors import AutotpError
 from autotp.layout import resolve
 from autotp.partition import HeadShard, assign_heads
 from autotp.plans import plan_for
-from autotp.quant import Quant, pack_int4, quantize_int4
+from autotp.quant import Quant
 from autotp.quant_load import QuantTarget, quantize_slice
 from autotp.skeleton import skeleton
 from autotp.styles import RankContext
@@ -116,11 +117,10 @@ def test_starcoder_c_attn_at_tp_4_and_at_an_uneven_tp_5():
 
 def test_autotp_plan_json_prints_starcoders_slices_at_tp_5(capsys):
     """What a user reads: `autotp plan --model examples/starcoder --tp 5 --json` (the 40-layer config)."""
-    from test_cli import STARCODER as CONFIG_DIR
-
     from autotp.cli import main
 
-    assert main(["plan", "--model", str(CONFIG_DIR), "--tp", "5", "--json"]) == 0
+    assert main(["plan", "--model", str(Path(__file__).parents[1] / "examples" / "starcoder"), "--tp", "5",
+                 "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     holds = [{t["name"]: t["holds"] for t in r["tensors"]} for r in report["ranks"]]
     assert [r["q_heads"] for r in report["ranks"]] == [[0, 10], [10, 20], [20, 30], [30, 39], [39, 48]]
@@ -329,6 +329,18 @@ def row_blocks(part: torch.Tensor):
     return lambda rows: ((r, part[r:r + (rows or len(part))]) for r in range(0, len(part), rows or len(part)))
 
 
+def int4_by_hand(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int4 format of torch's kernels, written out (quant.py's docstring): per output row and group of `group`
+    inputs, s = (max - min) / 15, zero = min + 8 s, q = round((w - zero) / s) + 8 in [0, 15]; -> (q (out, in),
+    scales_and_zeros (in / group, out, 2)), in float32, where the rounding to the dtype is exact."""
+    g = w.reshape(w.shape[0], -1, group)
+    low, high = g.amin(-1), g.amax(-1)
+    s = (high - low) / 15
+    zero = low + 8 * s
+    q = (torch.round((g - zero[..., None]) / s[..., None]) + 8).clamp(0, 15).to(torch.uint8).reshape(w.shape)
+    return q, torch.stack([s, zero], -1).transpose(0, 1).contiguous()
+
+
 def test_int4_groups_stay_whole_where_the_row_parallel_split_keeps_them():
     """n_embd 128 (4 heads of 32), n_inner 384, groups of 32 input features, tp 3. attn.c_proj (128, 128) splits its
     inputs by heads 2, 1, 1 (4 = 3*1 + 1) -> 0:64, 64:96, 96:128 = groups 0:2, 2:3, 3:4 of 4; mlp.c_proj (128, 384)
@@ -339,14 +351,15 @@ def test_int4_groups_stay_whole_where_the_row_parallel_split_keeps_them():
     expect(lay, "transformer.h.0.mlp.c_proj.weight", COLS, [[(0, 128)], [(128, 256)], [(256, 384)]])
     torch.manual_seed(0)
     full = torch.randn(128, 384)
-    values, scales = quantize_int4(full, 32, torch.float32)  # the unsharded int4 weight: 12 groups per row
+    values, scales = int4_by_hand(full, 32)  # the unsharded int4 weight: 12 groups per row
     target = QuantTarget(Quant("int4", 32), conv1d=False, splits_inputs=True)
     for cols, groups in (((0, 128), (0, 4)), ((128, 256), (4, 8)), ((256, 384), (8, 12))):
         piece = full[:, cols[0]:cols[1]]
         mine = quantize_slice(row_blocks(piece), target, tuple(piece.shape), torch.float32, torch.device("cpu"),
                               reduce_max=None)
         assert torch.equal(mine.scales, scales[groups[0]:groups[1]]), cols
-        assert torch.equal(mine.qweight, pack_int4(values[:, cols[0]:cols[1]], torch.device("cpu"))), cols
+        packed = torch._convert_weight_to_int4pack_for_cpu(values[:, cols[0]:cols[1]].to(torch.int32), 1)
+        assert torch.equal(mine.qweight, packed), cols
 
 
 def test_int4_refuses_a_tp_whose_split_cuts_a_group_naming_the_numbers():
