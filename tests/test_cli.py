@@ -168,7 +168,10 @@ def test_a_failing_rank_stops_every_rank(checkpoint):
     assert out.returncode != 0
     lines = error_lines(out.stderr)
     assert "autotp: error on rank 1: RuntimeError: injected failure on rank 1" in lines, out.stderr
-    assert all("Connection closed by peer" in line for line in lines if line.startswith("autotp: error: ")), lines
+    # rank 0 speaks only if its collective saw rank 1 go before torchrun stopped it (gloo: "Connection closed by
+    # peer", or "reset"), never of a timeout
+    assert all(re.search(r"(closed|reset) by peer", line) for line in lines if line.startswith("autotp: error: ")), \
+        lines
     failures = out.stderr[out.stderr.index("Failures:"):]
     assert re.search(r"rank +: 1 \(local_rank: 1\)\n +exitcode +: 1 ", failures), failures  # it exited by itself
 
