@@ -160,20 +160,20 @@ def test_the_entry_points_resolve_on_first_use():
 
 def test_a_failing_rank_stops_every_rank(checkpoint):
     """Rank 1 fails alone while rank 0 waits for it in a collective: rank 1 says so, and rank 0 does not wait out
-    a timeout (the subprocess timeout bounds a hang): torchrun stops it, or its collective sees rank 1 go."""
+    a timeout (the subprocess timeout bounds a hang): torchrun stops it, or its collective sees rank 1 go.
+    Which of the two torchrun sees first is a race, so its summary is not checked."""
     model_dir, _ = checkpoint("mqa12")
     # a generation that fits the 64-position context, so that rank 0 passes validation and waits for rank 1
     out = torchrun(2, "generate", "--model", model_dir, "--input-ids", "1,2", "--max-new-tokens", "8",
                    script=str(Path(__file__).parent / "fault_rank1.py"))
     assert out.returncode != 0
     lines = error_lines(out.stderr)
-    assert "autotp: error on rank 1: RuntimeError: injected failure on rank 1" in lines, out.stderr
+    ours = "autotp: error on rank 1: RuntimeError: injected failure on rank 1"
+    assert ours in lines, out.stderr
     # rank 0 speaks only if its collective saw rank 1 go before torchrun stopped it (gloo: "Connection closed by
-    # peer", or "reset"), never of a timeout
-    assert all(re.search(r"(closed|reset) by peer", line) for line in lines if line.startswith("autotp: error: ")), \
-        lines
-    failures = out.stderr[out.stderr.index("Failures:"):]
-    assert re.search(r"rank +: 1 \(local_rank: 1\)\n +exitcode +: 1 ", failures), failures  # it exited by itself
+    # peer", or "reset"), never of a timeout; rank 1 said its line before it left, so that line comes first
+    after = lines[lines.index(ours) + 1:]
+    assert lines[:lines.index(ours)] == [] and all(re.search(r"(closed|reset) by peer", line) for line in after), lines
 
 
 def test_a_failure_every_rank_has_is_said_once_by_rank_0_however_late(pools):
