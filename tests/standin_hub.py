@@ -63,13 +63,15 @@ class StandinHub:
     """Serves `repos` (repo id "org/name" -> local directory, as it is at construction) at `url` from a daemon
     thread. `delay_s` stretches each file body GET over that many seconds; `fail_status` makes every request
     answer that status with an empty body (500: the hub is down). `requests` lists "METHOD /path" (unquoted,
-    without the query) of every request, e.g. to count how often a file was downloaded."""
+    without the query) of every request, e.g. to count how often a file was downloaded; `sent_whole` lists
+    "org/name/path" of every file body sent to its last byte (after its delay_s)."""
 
     def __init__(self, repos: dict[str, Path], delay_s: float = 0.0, fail_status: int | None = None):
         self.repos = {repo_id: Repo(d) for repo_id, d in repos.items()}
         self.delay_s = delay_s
         self.fail_status = fail_status
         self.requests: list[str] = []
+        self.sent_whole: list[str] = []
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
         self._server.hub = self
         self.url = f"http://127.0.0.1:{self._server.server_port}"
@@ -155,6 +157,8 @@ class _Handler(BaseHTTPRequestHandler):
                 self._error("EntryNotFound", repo)
             elif repo:
                 self._file(*repo.files[m[3]], repo, hub.delay_s if body else None)
+                if body and self.sent:
+                    hub.sent_whole.append(f"{m[1]}/{m[3]}")
         else:
             self._send(404, {}, b"")
 
@@ -187,11 +191,13 @@ class _Handler(BaseHTTPRequestHandler):
         if delay_s is None:
             return
         pieces = max(1, min(size, math.ceil(delay_s / MAX_PAUSE_S)))
+        self.sent = False
         try:
             with local.open("rb") as f:
                 for i in range(pieces):
                     time.sleep(delay_s / pieces)
                     self.wfile.write(f.read((i + 1) * size // pieces - i * size // pieces))
+            self.sent = True
         except (BrokenPipeError, ConnectionResetError):
             pass  # the client went away mid-download (a test killed it): nothing to answer
 

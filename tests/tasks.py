@@ -62,17 +62,49 @@ def seed_flow(model_dir: str, tokenizer_dir: str, prompt: str, tp_kwargs: dict) 
     return {"text": text, "info": engine.module.autotp}
 
 
-def die_or_reduce(victim: int) -> str:
-    """The victim rank exits hard; the others enter an all-reduce that can never complete."""
+def die_while_generating(model_dir: str, victim: int, out: str, at_forward: int = 3) -> None:
+    """Every rank generates with its shard of the model; the victim exits hard as its forward call `at_forward`
+    begins (mid-generation). Each other rank writes OUT/rank{r}.json: how its generate ended, the autotp frames
+    its exception passed through, and how many forwards it started."""
+    import json
     import os
+    import traceback
 
-    if dist.get_rank() == victim:
-        os._exit(3)
+    model = autotp.from_pretrained(model_dir)
+    rank, calls = dist.get_rank(), []
+
+    def count(module, args, kwargs):
+        calls.append(1)
+        if rank == victim and len(calls) == at_forward:
+            os._exit(3)
+
+    model.register_forward_pre_hook(count, with_kwargs=True)
     try:
-        dist.all_reduce(torch.ones(1))
-    except Exception as e:  # noqa: BLE001
-        return f"raised {type(e).__name__}"
-    return "completed"
+        generate(model, torch.tensor([[3, 17, 42, 8]]), max_new_tokens=16)
+        outcome = {"ended": "completed", "frames": []}
+    except Exception as e:  # noqa: BLE001 - what the surviving rank saw, for the test to read
+        frames = [f"{os.path.basename(f.filename)}:{f.name}" for f in traceback.extract_tb(e.__traceback__)
+                  if f"{os.sep}autotp{os.sep}" in f.filename]
+        outcome = {"ended": f"raised {type(e).__name__}", "frames": frames}
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(outcome | {"forwards": len(calls)}, f)
+
+
+def report_failure(messages: list[str], rank0_late_s: float = 0.0) -> list[str]:
+    """`autotp.distributed.fail(messages[rank])` on every rank as the CLI calls it, rank 0 `rank0_late_s` after the
+    others: the lines this rank printed."""
+    import contextlib
+    import io
+    import time
+
+    from autotp import distributed
+
+    if dist.get_rank() == 0:
+        time.sleep(rank0_late_s)
+    printed = io.StringIO()
+    with contextlib.redirect_stderr(printed):
+        assert distributed.fail(messages[dist.get_rank()], code=2) == 2
+    return printed.getvalue().splitlines()
 
 
 def compiled_layers(model_dir: str) -> dict:

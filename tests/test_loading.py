@@ -143,11 +143,17 @@ def test_tp_larger_than_heads_fails_on_every_rank_before_reading(tmp_path, pools
     assert pools(3).run(sharded_outputs, checkpoint("mqa12")[0], [[1]], 1, 0)  # no rank was left waiting
 
 
-def test_a_rank_that_dies_does_not_hang_the_others(pools):
-    from tasks import die_or_reduce
+def test_a_rank_that_dies_mid_generation_does_not_hang_the_others(tmp_path, pools, checkpoint):
+    """Rank 1 exits hard as its third forward begins: rank 0, waiting in that forward's collectives, raises out
+    of the sharded model's forward instead of waiting for a rank that is gone."""
+    from tasks import die_while_generating
 
     with pytest.raises(RuntimeError, match=r"ranks \[1\] died"):
-        pools(2).run(die_or_reduce, 1, timeout=60)
+        pools(2).run(die_while_generating, checkpoint("mqa12")[0], 1, str(tmp_path), timeout=60)
+    survivor = json.loads((tmp_path / "rank0.json").read_text())  # written before the pool let rank 0 go
+    assert survivor["ended"].startswith("raised ") and survivor["forwards"] == 3, survivor
+    assert any(frame.startswith(("layers.py:", "guard.py:", "collectives.py:")) for frame in survivor["frames"]), \
+        survivor
 
 
 def test_hub_id_resolves_from_the_offline_cache(tmp_path, monkeypatch, checkpoint):

@@ -18,7 +18,15 @@ from autotp.errors import AutotpError
 from autotp.loading.skeleton import skeleton
 from autotp.parallel.layout import resolve
 from autotp.plans import plan_for
-from autotp.quant.weights import Quant, check_kernel, int8_scales, pack_int4, quantize_int4, quantize_int8
+from autotp.quant.weights import (
+    INT8_DEQUANT_ROWS,
+    Quant,
+    check_kernel,
+    int8_scales,
+    pack_int4,
+    quantize_int4,
+    quantize_int8,
+)
 
 GROUP = 32
 COMMON = dict(vocab_size=101, bos_token_id=None, eos_token_id=None, pad_token_id=None)
@@ -125,18 +133,42 @@ def test_init_inference_quantizes_like_from_pretrained(quant_checkpoint):
 
 
 def test_quantized_bytes_and_many_rows(quant_checkpoint):
-    """int8 weights take about a quarter of fp32's bytes, int4 an eighth; a many-row input (the dequantizing
-    path) gives what the kernel gives row by row."""
+    """int8 weights take about a quarter of fp32's bytes, int4 an eighth; an int4 input of many rows gives what the
+    kernel gives row by row."""
     model_dir, _ = quant_checkpoint("bigcode_mqa")
     fp32 = autotp.from_pretrained(model_dir).autotp.param_bytes
     for kind, most in (("int8", 0.45), ("int4", 0.40)):
         model = autotp.from_pretrained(model_dir, quantize=kind, group_size=GROUP)
         assert model.autotp.param_bytes < most * fp32, (kind, model.autotp.param_bytes, fp32)
-        layer = model.transformer.h[0].mlp.c_fc
-        x = torch.randn(16, 128)
-        with torch.no_grad():
-            together, alone = layer(x), torch.cat([layer(x[i:i + 1]) for i in range(16)])
-        assert torch.allclose(together, alone, atol=1e-4, rtol=1e-4), kind
+    layer = model.transformer.h[0].mlp.c_fc  # the int4 model's
+    x = torch.randn(16, 128)
+    with torch.no_grad():
+        together, alone = layer(x), torch.cat([layer(x[i:i + 1]) for i in range(16)])
+    assert torch.allclose(together, alone, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [INT8_DEQUANT_ROWS - 1, INT8_DEQUANT_ROWS])
+def test_int8_on_cpu_dequantizes_from_the_crossover_on(quant_checkpoint, monkeypatch, rows):
+    """Below INT8_DEQUANT_ROWS input rows the CPU int8 kernel runs; from it on, the weight is dequantized for
+    F.linear instead (the kernel is slower there, quant.py). Each side takes its path, and both give what the
+    kernel gives one row at a time. The rows are (batch, seq) flattened, as a prefill sends them."""
+    model_dir, _ = quant_checkpoint("bigcode_mqa")
+    layer = autotp.from_pretrained(model_dir, quantize="int8").transformer.h[0].mlp.c_fc
+    kernel, calls = torch._weight_int8pack_mm, []
+
+    def counted(x, *args):
+        calls.append(x.shape[0])
+        return kernel(x, *args)
+
+    monkeypatch.setattr(torch, "_weight_int8pack_mm", counted)
+    x = torch.randn(1, rows, 128)
+    with torch.no_grad():
+        together = layer(x)
+        together_calls, calls[:] = calls[:], []
+        alone = torch.cat([layer(x[:, i:i + 1]) for i in range(rows)], dim=1)
+    assert together_calls == ([rows] if rows < INT8_DEQUANT_ROWS else []), together_calls
+    assert calls == [1] * rows  # one row is the kernel's
+    torch.testing.assert_close(together, alone, atol=1e-4, rtol=1e-4)
 
 
 def test_int4_refuses_a_tp_that_splits_a_group():
@@ -147,7 +179,7 @@ def test_int4_refuses_a_tp_that_splits_a_group():
 
 
 def test_int4_names_the_group_sizes_that_fit():
-    """The demo model's 288 features take groups of 32 only: the error says so, whatever the tp."""
+    """128 input features do not form groups of 256: the error names the group sizes that divide them."""
     cfg = config("bigcode_mqa")
     with pytest.raises(AutotpError, match=r"in groups of 256 input features, but it has 128: use --group-size 32 or "
                                           r"64 or 128, or --quantize int8"):

@@ -7,11 +7,13 @@ the last test kills its launcher with SIGKILL and checks that the ranks go too.
 import json
 import os
 import random
+import re
 import signal
 import socket
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import fim_model
@@ -71,30 +73,32 @@ def test_a_chunked_body_is_refused_once_it_grows_over_the_limit(server):
     assert answer.startswith(b"HTTP/1.1 413 "), answer[:300]
 
 
+def closed_for_the_read_timeout(server, conn: socket.socket) -> bool:
+    """Whether the server's log says it closed `conn` because its request was not read within --read-timeout 2."""
+    return f"closed a connection from {conn.getsockname()!r}: request not read within 2s" in server.text()
+
+
 @pytest.mark.timeout(60)
 def test_slow_clients_are_closed_after_the_read_timeout(server):
-    """slowloris: connections that trickle headers (or send nothing) are closed after --read-timeout 2."""
+    """slowloris: connections that trickle headers (or send nothing) are closed for --read-timeout 2, the log naming
+    each. Trickling does not extend the deadline: a connection it kept open would run this test into its timeout."""
     conns = [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in range(5)]
     idle = socket.create_connection(("127.0.0.1", server.port), timeout=10)
-    start = time.monotonic()
     for c in conns:
         c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
-    closed: set[int] = set()
-    while len(closed) < len(conns) and time.monotonic() - start < 10:
-        for i, c in enumerate(conns):
+    trickling = set(range(len(conns)))
+    while trickling:
+        for i in sorted(trickling):
             try:
-                if i not in closed:
-                    c.sendall(b"X-Slow: 1\r\n")
-            except OSError:
-                closed.add(i)
+                conns[i].sendall(b"X-Slow: 1\r\n")
+            except OSError:  # the server has closed it: the write after its close is reset
+                trickling.discard(i)
         assert server.health() == {"status": "ok"}
         time.sleep(0.5)
-    elapsed = time.monotonic() - start
-    assert len(closed) == len(conns) and elapsed < 8, (closed, elapsed)
-    assert idle.recv(1) == b""  # closed by then too, having sent nothing
+    assert idle.recv(1) == b""  # closed too, having sent nothing
     for c in [*conns, idle]:
+        assert closed_for_the_read_timeout(server, c), c.getsockname()
         c.close()
-    assert "request not read within 2s" in server.text()
 
 
 FUZZ_REQUESTS = 300
@@ -131,14 +135,16 @@ def answer_of(server, body: bytes) -> tuple[int, bytes]:
         return e.code, e.read()
 
 
+ANSWERED = re.compile(r"^autotp serve: cmpl-\w+ status=(\d+) ", re.MULTILINE)  # one line per request answered
+
+
 @pytest.mark.timeout(90)
 def test_fuzz_every_request_is_answered_and_the_server_stays_healthy(server):
     rng = random.Random(10)
     bodies = [fuzz_body(rng, i, server.model_id) for i in range(FUZZ_REQUESTS)]
-    start = time.monotonic()
+    before = len(ANSWERED.findall(server.text()))
     with ThreadPoolExecutor(6) as pool:
         answers = list(pool.map(lambda b: answer_of(server, b), bodies))
-    elapsed = time.monotonic() - start
     for body, (status, raw) in zip(bodies, answers, strict=True):
         if status == 200 and raw.startswith(b"data: "):  # a stream: no error event, and it is complete
             assert raw.endswith(b"data: [DONE]\n\n") and b'"error"' not in raw, (body[:300], raw[-300:])
@@ -149,7 +155,11 @@ def test_fuzz_every_request_is_answered_and_the_server_stays_healthy(server):
             assert 400 <= status < 500 and set(error) == {"message", "type", "param", "code"}, (body[:300], raw)
     assert sum(s == 200 for s, _ in answers) >= FUZZ_REQUESTS // 3
     assert server.health() == {"status": "ok"}
-    assert elapsed < 60, elapsed
+    # the server logged each request as answered, with the status its client got (a stream logs its line once
+    # its last event is sent: wait for them; the pytest timeout bounds the wait)
+    while len(logged := ANSWERED.findall(server.text())[before:]) < FUZZ_REQUESTS:
+        time.sleep(0.1)
+    assert Counter(map(int, logged)) == Counter(s for s, _ in answers)
 
 
 @pytest.mark.timeout(60)

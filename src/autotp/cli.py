@@ -11,7 +11,6 @@ import json
 import os
 import re
 import sys
-import time
 import traceback
 
 from autotp.errors import AutotpError
@@ -297,11 +296,9 @@ def main(argv: list[str] | None = None) -> int:
             if os.environ.get("AUTOTP_DEBUG"):
                 traceback.print_exc()
             message, code = f"{type(e).__name__}: {e}".splitlines()[0], 1
-        # Bad input fails alike on every rank, whether autotp's checks or transformers notice it: rank 0
-        # says it. Another rank speaks only if it is still alive after a grace period, i.e. when rank 0
-        # did not fail (the launcher stops the others), so a failure of its own is still reported.
-        if distributed.rank() != 0:
-            time.sleep(3)
+        # Bad input fails alike on every rank, whether autotp's checks or transformers notice it: rank 0 says
+        # it, and another rank only a failure rank 0 does not share (distributed.fail decides which, through
+        # the process group's store)
         return distributed.fail(message, code=code)
     finally:
         distributed.shutdown()

@@ -24,6 +24,8 @@ from autotp.errors import AutotpError
 
 RENDEZVOUS_TIMEOUT_S = 300  # how long rank 0 waits for the others to start (AUTOTP_RENDEZVOUS_TIMEOUT)
 WAIT_NOTICE_S = 5  # after this, rank 0 says what it is waiting for
+# fail()'s fallback: a rank that posts its failure and hears nothing from rank 0 for this long speaks itself
+FAILURE_WAIT_S = 5
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,18 @@ class Dist:
     local_rank: int
     device: torch.device
     group: dist.ProcessGroup | None  # None when world_size == 1
+
+
+@dataclass
+class _Process:
+    """What `fail` needs to know about this process's part in its group."""
+
+    joining: bool = False  # init() was called: a failure from then on may be this rank's own, not the command line's
+    hosts_store: bool = False  # rank 0 of a group made by autotp's own rendezvous: the store lives here
+    failures: int = 0  # failures posted so far; every rank numbers the same failure alike
+
+
+_PROCESS = _Process()
 
 
 def _env_int(name: str, default: int | None) -> int | None:
@@ -136,6 +150,7 @@ def _rendezvous(rank: int, world: int, timeout: timedelta) -> dist.Store | None:
 def init(device: str | torch.device | None = None, timeout_s: float | None = None) -> Dist:
     """Join (or reuse) the default process group described by the environment; the rank's GPU, if it has
     one, becomes the current CUDA device (object collectives and NCCL barriers use the current one)."""
+    _PROCESS.joining = True
     local_rank = _env_int("LOCAL_RANK", None)
     existing = dist.is_initialized()
     if existing:
@@ -157,6 +172,7 @@ def init(device: str | torch.device | None = None, timeout_s: float | None = Non
                 raise AutotpError(f"WORLD_SIZE={world} but {name} is not set: launch with torchrun or deepspeed")
         timeout = timedelta(seconds=timeout_s or float(os.environ.get("AUTOTP_TIMEOUT", 600)))
         store = _rendezvous(rank, world, timeout)
+        _PROCESS.hosts_store = store is not None and rank == 0
         kwargs = {} if store is None else dict(store=store, rank=rank, world_size=world)
         if dev.type == "cuda":
             dist.init_process_group("nccl", timeout=timeout, device_id=dev, **kwargs)
@@ -248,7 +264,59 @@ def shutdown() -> None:
 
 
 def fail(message: str, code: int = 1) -> int:
-    """One line on stderr: every rank would say the same, so rank 0 speaks unless the failure is its own."""
-    prefix = "autotp: error" if rank() == 0 else f"autotp: error on rank {rank()}"
-    print(f"{prefix}: {message}", file=sys.stderr, flush=True)
+    """Say this rank's failure in one line on stderr, once however many ranks have it; returns `code`.
+
+    Rank 0 always says its own: `autotp: error: MESSAGE`. Another rank says `autotp: error on rank N:
+    MESSAGE` unless rank 0 has the same failure, and that is decided, not waited out:
+    - before this process called `init`, a failure comes from the command line, which every rank parses
+      alike: rank 0 says it (as for argparse's errors, cli.Parser). A rank that fails in `init`, before a
+      group exists (its device, or it cannot reach rank 0), says so itself.
+    - in a process group, rank 0 posts its message to the group's store and every other failing rank reads
+      it there: the same message, it stays silent; another, it speaks.
+    Fallback, bounded in time: a rank that reads nothing from rank 0 within FAILURE_WAIT_S speaks, since
+    rank 0 has not failed (it waits for this rank in a collective, or is still working; torchrun stops it
+    once this rank exits). A rank 0 whose process hosts the store (a launch without torchrun) waits as long
+    at most for the other ranks to have read its message before it exits and takes the store with it.
+    """
+    me = rank()
+    store = key = None
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        store = dist.distributed_c10d._get_default_store()
+        key = f"autotp/failure/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_PROCESS.failures}"
+        _PROCESS.failures += 1
+        speak = me == 0 or _differs_from_rank_0(store, key, me, message)
+    else:
+        speak = me == 0 or _PROCESS.joining
+    if speak:
+        prefix = "autotp: error" if me == 0 else f"autotp: error on rank {me}"
+        print(f"{prefix}: {message}", file=sys.stderr, flush=True)
+    if store is not None and me == 0:
+        try:
+            store.set(f"{key}/0", message)
+        except RuntimeError:  # DistStoreError / DistNetworkError: the store is gone, and nobody to read it
+            return code
+        if _PROCESS.hosts_store:
+            _wait_for(store, [f"{key}/heard/{r}" for r in range(1, dist.get_world_size())])
     return code
+
+
+def _differs_from_rank_0(store, key: str, me: int, message: str) -> bool:
+    """Whether rank 0 failed otherwise than `message`, or posted nothing within FAILURE_WAIT_S, or its store is
+    gone; rank 0 hears that this rank has read its message."""
+    if not _wait_for(store, [f"{key}/0"]):
+        return True
+    try:
+        theirs = store.get(f"{key}/0").decode()
+        store.set(f"{key}/heard/{me}", "1")
+    except RuntimeError:  # rank 0's store went with its process
+        return True
+    return theirs != message
+
+
+def _wait_for(store, keys: list[str]) -> bool:
+    """Whether `keys` were all set within FAILURE_WAIT_S."""
+    try:
+        store.wait(keys, timedelta(seconds=FAILURE_WAIT_S))
+    except RuntimeError:  # timed out, or the store went with rank 0's process
+        return False
+    return True
