@@ -140,9 +140,10 @@ class Engine:
         return "ok"
 
     def counts(self) -> tuple[int, int]:
-        """(rows running or prefilling, jobs waiting), for the metrics; any thread."""
+        """(rows running or prefilling, jobs waiting), for the metrics; any thread. A row that has its answer
+        (done) no longer counts, though its memory goes at the next step."""
         with self.lock:
-            return len(self.active), self.queued
+            return sum(not a.done for a in list(self.active.values())), self.queued
 
     def kv_used(self) -> int:
         """Cache slots the rows hold now (the padded batch's rows x width, and the prefill's); any thread."""
