@@ -8,8 +8,11 @@ greedy tokens:
                    writer's whole-word subtract borrows across the packed zeros there)
     v2_asym        transformers' GPTQConfig through optimum (GPTQModel underneath): "gptq_v2", asymmetric
     v1_desc_act    GPTQModel with desc_act (act order): refused
-A Llama of hidden 128, 4 heads, 2 KV heads, intermediate 384, 2 layers, groups of 32: every tp in 1..4 splits its
-row-parallel inputs into whole groups and gives slices torch's CPU int4 kernel takes.
+    v1_bigcode     GPTQModel, v1, asymmetric, GPT-BigCode (StarCoder's architecture: the fused multi-query c_attn
+                   [Q | K | V], every rank reading the one K/V head's columns; biases)
+A Llama (the GPT-BigCode: the same sizes) of hidden 128, 4 heads, 2 KV heads, intermediate 384, 2 layers, groups
+of 32: every tp in 1..4 splits its row-parallel inputs into whole groups and gives slices torch's CPU int4 kernel
+takes.
 """
 
 import functools
@@ -33,7 +36,7 @@ from autotp.report import plan_report
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gptq"
 ROOT = Path(__file__).resolve().parents[1]
-LOADABLE = ["v1_sym", "v1_asym_zero0", "v2_asym"]
+LOADABLE = ["v1_sym", "v1_asym_zero0", "v2_asym", "v1_bigcode"]
 CPU = torch.device("cpu")
 NEW_TOKENS = 16
 
@@ -74,7 +77,7 @@ def slice_errors(name: str, tp: int, dtype=torch.float32) -> dict[tuple[int, str
             assert p.checkpoint.bytes_read - before == sum(r.nbytes() for r in param.gptq[rank].reads)
             theirs = param.shards[rank].take(weights[param.name]).float()  # the shard indexes the (out, in) weight
             errors[rank, param.name] = ((ours - theirs).abs() / param.shards[rank].take(scales)).max().item()
-    assert len(errors) == 14 * tp
+    assert len(errors) == (len(weights) - 1) * tp  # every layer the library dequantized (and its logits)
     return errors
 
 
