@@ -173,6 +173,16 @@ def quant_rank_outputs(model_dir: str, quantize: str, group_size: int) -> dict:
             "bytes": model.autotp.param_bytes, "held_bytes": held_bytes(model)}
 
 
+def gptq_rank_outputs(model_dir: str, prompt: list[list[int]], new_tokens: int) -> dict:
+    """A rank of a GPTQ checkpoint held in float32: the prompt's logits, the greedy continuation, what it read."""
+    model = autotp.from_pretrained(model_dir, dtype=torch.float32)
+    ids = torch.tensor(prompt)
+    with torch.no_grad():
+        logits = model(ids).logits
+    return {"logits": logits, "greedy": generate(model, ids, max_new_tokens=new_tokens).tolist(),
+            "bytes_read": model.autotp.bytes_read, "bytes": model.autotp.param_bytes, "held_bytes": held_bytes(model)}
+
+
 def downloader_without_local_rank() -> bool:
     """Whether this rank would download a hub id for its node when the launcher set no LOCAL_RANK."""
     import os

@@ -28,6 +28,7 @@ from autotp.parallel.shard import parallelize
 from autotp.parallel.slices import TensorShard
 from autotp.plans import Plan
 from autotp.prepare import prepare
+from autotp.quant import gptq
 from autotp.quant.load import quantize_loaded, quantize_slice
 from autotp.quant.weights import INT4_GROUP, QuantizedWeight
 
@@ -62,7 +63,9 @@ def from_pretrained(model: str | os.PathLike, dtype: str | torch.dtype | None = 
     floating dtype. tp_size: defaults to WORLD_SIZE (must equal it). device: defaults to
     cuda:LOCAL_RANK or cpu. check_inputs: raise when ranks feed different input ids (autotp.parallel.input_guard).
     quantize: "int8" or "int4" (group_size input features per group) stores the linear layers' weights
-    quantized, each slice quantized as it is read (autotp.quant.weights).
+    quantized, each slice quantized as it is read (autotp.quant.weights). A GPTQ checkpoint (4-bit, its
+    config's quantization_config) loads without it: each rank reads its slice of the GPTQ tensors and
+    repacks it for the same int4 kernel (autotp.quant.gptq).
     """
     env = distributed.init(device)
     tp = _check_tp(tp_size, env.world_size)
@@ -75,6 +78,10 @@ def from_pretrained(model: str | os.PathLike, dtype: str | torch.dtype | None = 
 
     def read(param: Param, shard: TensorShard, meta: nn.Parameter) -> torch.Tensor | QuantizedWeight:
         progress.update()
+        if param.gptq:
+            weight = gptq.load_slice(ckpt, param.gptq[env.rank], param.dtype, env.device)
+            release_freed()
+            return weight
         if param.quant is not None:
             weight = quantize_slice(lambda rows: ckpt.row_blocks(param.key, shard, param.dtype, rows), param.quant,
                                     param.local_shape(env.rank), param.dtype, env.device,

@@ -1,5 +1,6 @@
-"""The prologue every entry point shares, worked out once: config, plan, held dtype, quantization and its
-kernel check for the device, checkpoint headers, and the resolved layout.
+"""The prologue every entry point shares, worked out once: config, plan, held dtype, quantization (asked for,
+or a GPTQ checkpoint's, read from its config) and its kernel check for the device, checkpoint headers, and
+the resolved layout.
 
 `from_pretrained`, `init_inference` and `autotp plan` all start here (`autotp serve` through
 `from_pretrained`), so one rule decides each of these facts and everything is checked before a weight is
@@ -24,6 +25,7 @@ from autotp.loading.checkpoint import INDEX, SINGLE, Checkpoint
 from autotp.loading.skeleton import skeleton
 from autotp.parallel.layout import Layout, resolve
 from autotp.plans import Plan, plan_for
+from autotp.quant.gptq import GptqFormat
 from autotp.quant.weights import INT4_GROUP, Quant, check_kernel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -43,6 +45,7 @@ class Prepared:
     plan: Plan
     dtype: torch.dtype  # what floating parameters are held in (quantized weights: their scales)
     quant: Quant | None
+    gptq: GptqFormat | None  # the checkpoint stores its linear weights GPTQ-quantized
     checkpoint: Checkpoint | None  # its headers; None for a loaded model, or a config-only plan
     model: nn.Module  # a meta skeleton, or the user's loaded model (init_inference)
     layout: Layout
@@ -65,17 +68,26 @@ def prepare(tp: int, device_type: str, *, model_dir: str | os.PathLike | None = 
     asked = parse_dtype(dtype)
     if model is not None:
         config, ckpt = model.config, None
-        held = asked or next(model.parameters()).dtype
+        if getattr(config, "quantization_config", None) is not None:
+            raise AutotpError("init_inference shards nn.Linear weights, and this model was loaded quantized "
+                              "(config.quantization_config): pass the checkpoint's directory to "
+                              "autotp.from_pretrained, which reads each rank's slice of a GPTQ checkpoint")
+        gptq, held = None, asked or next(model.parameters()).dtype
     else:
         directory = Path(model_dir)
         config = load_config(directory)
+        gptq = GptqFormat.of(config, directory)  # a format autotp cannot run is refused here, in one line
+        if gptq is not None and quant is not None:
+            raise AutotpError(f"{directory} is a GPTQ checkpoint, quantized already: drop --quantize {quantize}")
         has_weights = (directory / INDEX).exists() or (directory / SINGLE).exists()
         ckpt = Checkpoint(directory) if checkpoint or has_weights else None
         held = asked or (ckpt and ckpt.floating_dtype()) or _config_dtype(config) or torch.float32
     plan = plan_for(config)
     if quant is not None:
         check_kernel(quant.kind, device_type, held)
+    if gptq is not None:
+        check_kernel("int4", device_type, held, "a GPTQ checkpoint")
     net = model if model is not None else skeleton(config, held, buffers=buffers)
     layout = resolve(net, plan, tp, ckpt, quant, dtype=asked if model is not None else None,
-                     device_type=device_type)
-    return Prepared(config, plan, held, quant, ckpt, net, layout)
+                     device_type=device_type, gptq=gptq)
+    return Prepared(config, plan, held, quant, gptq, ckpt, net, layout)

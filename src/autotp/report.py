@@ -3,7 +3,9 @@
 Prepares the model as loading would (`autotp.prepare`: a meta skeleton, no weights, no processes) and
 reports, for every rank, each tensor's global shape, the slice or replication the rank holds, and its
 bytes. When the directory also has safetensors files, their headers give the stored dtype and are
-checked against the config, still without reading a weight.
+checked against the config, still without reading a weight. For a GPTQ checkpoint (its config's
+quantization_config) each quantized weight also lists the GPTQ tensors the rank reads for it, their slices
+and bytes (from the config alone: as GPTQ writers store every linear layer of the blocks).
 """
 
 from __future__ import annotations
@@ -25,17 +27,29 @@ def plan_report(model: str, tp: int, dtype: str | None = None, quantize: str | N
     layout, plan = p.layout, p.plan
     ranks = []
     for rank, h in enumerate(layout.heads):
-        tensors = [{"name": t.name, "tied": list(t.aliases), "shape": list(t.shape),
-                    "holds": t.shards[rank].describe(len(t.shape)), "local_shape": list(t.local_shape(rank)),
-                    "bytes": t.nbytes(rank),
-                    "stored": t.quant.quant.kind if t.quant else str(t.dtype).removeprefix("torch.")}
-                   for t in layout.params.values()]
+        tensors = []
+        for t in layout.params.values():
+            tensor = {"name": t.name, "tied": list(t.aliases), "shape": list(t.shape),
+                      "holds": t.shards[rank].describe(len(t.shape)), "local_shape": list(t.local_shape(rank)),
+                      "bytes": t.nbytes(rank),
+                      "stored": t.quant.quant.kind if t.quant else str(t.dtype).removeprefix("torch.")}
+            if t.gptq:  # what the rank reads instead of the weight
+                tensor["gptq"] = [{"name": r.key, "shape": list(r.shape), "holds": r.shard.describe(len(r.shape)),
+                                   "local_shape": list(r.shard.local_shape(r.shape)), "bytes": r.nbytes(),
+                                   "stored": _dtype_name(r.dtype)} for r in t.gptq[rank].reads]
+            tensors.append(tensor)
+        gptq_bytes = sum(r["bytes"] for t in tensors for r in t.get("gptq", ()))
         ranks.append({"rank": rank, "q_heads": [h.q_start, h.q_stop], "kv_heads": [h.kv_start, h.kv_stop],
-                      "total_bytes": layout.rank_bytes(rank), "tensors": tensors})
+                      "total_bytes": layout.rank_bytes(rank), "gptq_read_bytes": gptq_bytes, "tensors": tensors})
+    gptq = None if p.gptq is None else {"group_size": p.gptq.group_size, "version": p.gptq.version, "sym": p.gptq.sym}
     return {"model": str(model), "family": plan.family, "plan_source": plan.source, "tp": tp,
-            "dtype": str(p.dtype).removeprefix("torch."), "checkpoint_headers": p.checkpoint is not None,
-            "quantize": quantize, "group_size": group_size if quantize == "int4" else None,
+            "dtype": _dtype_name(p.dtype), "checkpoint_headers": p.checkpoint is not None,
+            "quantize": quantize, "group_size": group_size if quantize == "int4" else None, "gptq": gptq,
             "device": device_type, "num_heads": plan.num_heads, "num_kv_heads": plan.num_kv_heads, "ranks": ranks}
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _human(n: int) -> str:
@@ -52,20 +66,37 @@ def format_report(report: dict) -> str:
              f"dtype={report['dtype']}, {report['num_heads']} query heads / {report['num_kv_heads']} KV heads"
              + (f", linear weights {report['quantize']}" if report["quantize"] else "")
              + (f" (groups of {report['group_size']})" if report["group_size"] else "")
+             + (f", GPTQ 4-bit checkpoint (groups of {report['gptq']['group_size']}, v{report['gptq']['version']}) "
+                "repacked to int4" if report.get("gptq") else "")
              + ("" if report["checkpoint_headers"] else " [config only: no checkpoint headers read]")]
     for r in report["ranks"]:
+        reads = f", reads {_human(r['gptq_read_bytes'])} of GPTQ tensors" if r.get("gptq_read_bytes") else ""
         lines.append(f"\nrank {r['rank']}: query heads {r['q_heads'][0]}:{r['q_heads'][1]}, "
-                     f"KV heads {r['kv_heads'][0]}:{r['kv_heads'][1]}, {_human(r['total_bytes'])}")
+                     f"KV heads {r['kv_heads'][0]}:{r['kv_heads'][1]}, {_human(r['total_bytes'])}{reads}")
         folded: dict[tuple, list] = {}
         for t in r["tensors"]:
-            key = (re.sub(r"\.\d+\.", ".*.", t["name"]), tuple(t["shape"]), t["holds"], tuple(t["local_shape"]),
-                   t["stored"])
+            sources = tuple((_fold(g["name"]), tuple(g["shape"]), g["holds"], tuple(g["local_shape"]), g["stored"])
+                            for g in t.get("gptq", ()))
+            key = (_fold(t["name"]), tuple(t["shape"]), t["holds"], tuple(t["local_shape"]), t["stored"], sources)
             folded.setdefault(key, []).append(t)
         width = max(len(k[0]) for k in folded) + 6
-        for (name, shape, holds, local, stored), ts in folded.items():
+        for (name, shape, holds, local, stored, sources), ts in folded.items():
             count = f" x{len(ts)}" if len(ts) > 1 else ""
             tied = f" (tied: {', '.join(ts[0]['tied'])})" if ts[0]["tied"] else ""
-            lines.append(f"  {name + count:<{width}} {str(list(shape)):>16}  {holds:<36} "
-                         f"{str(list(local)):>16}  {stored:>8}  {_human(sum(t['bytes'] for t in ts)):>10}{tied}")
+            lines.append(_row(name + count, width, shape, holds, local, stored, sum(t["bytes"] for t in ts)) + tied)
+            for i, (source, s_shape, s_holds, s_local, s_stored) in enumerate(sources):  # what the rank reads for it
+                read = sum(t["gptq"][i]["bytes"] for t in ts)
+                lines.append(_row("  reads " + source.rpartition(".")[2], width, s_shape, s_holds, s_local, s_stored,
+                                  read))
     return "\n".join(lines)
+
+
+def _fold(name: str) -> str:
+    """Layers' tensors under one name: transformer.h.3.attn -> transformer.h.*.attn."""
+    return re.sub(r"\.\d+\.", ".*.", name)
+
+
+def _row(name: str, width: int, shape, holds: str, local, stored: str, nbytes: int) -> str:
+    return (f"  {name:<{width}} {str(list(shape)):>16}  {holds:<36} {str(list(local)):>16}  {stored:>8}  "
+            f"{_human(nbytes):>10}")
 

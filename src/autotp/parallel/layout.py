@@ -8,15 +8,17 @@ Plan, then apply (torchtitan's order), with the per-tensor step in the middle ma
 A `Layout` holds each rank's heads, the module swaps (path -> style, the same paths on every rank) and,
 for every parameter, its names (tied weights have several), the checkpoint key that holds it, its global
 shape and dtype, the `TensorShard` each rank holds and, for a quantized linear weight, how it is
-quantized. Everything that can be wrong is found here, before a weight is read: heads vs tp, plan
-patterns that match no module, empty slices, tied weights split two ways, int4 groups a rank would
-split, and with a checkpoint its missing, unused, mis-shaped and mis-typed tensors. The loader, the
+quantized (for a GPTQ checkpoint: the part of each GPTQ tensor every rank reads, `quant.gptq.GptqSlice`).
+Everything that can be wrong is found here, before a weight is read: heads vs tp, plan patterns that
+match no module, empty slices, tied weights split two ways, int4 groups a rank would split, and with a
+checkpoint its missing, unused, mis-shaped and mis-typed tensors (GPTQ ones included). The loader, the
 in-place path of `init_inference` and `autotp plan` all read the same object. Nothing here reads a
 weight or talks to another rank; the model may be a meta skeleton.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
@@ -31,6 +33,7 @@ from autotp.parallel.partition import HeadShard
 from autotp.parallel.slices import REPLICATED, TensorShard
 from autotp.parallel.styles import Geometry, RankContext, Rowwise, Style
 from autotp.plans import Plan
+from autotp.quant.gptq import GptqFormat, GptqKeys, GptqSlice
 from autotp.quant.load import QuantTarget
 from autotp.quant.weights import INT4_GROUPS, Quant, kernel_fits
 
@@ -73,13 +76,14 @@ class Param:
 
     name: str  # its first name, in registration order
     aliases: tuple[str, ...]  # its other names (weights tied to it)
-    # the checkpoint tensor it is read from (or a fused experts tensor's per-expert tensors); None when no
-    # checkpoint was given
-    key: str | ExpertKeys | None
+    # the checkpoint tensor it is read from (or a fused experts tensor's per-expert tensors, or a GPTQ layer's
+    # tensors); None when no checkpoint was given
+    key: str | ExpertKeys | GptqKeys | None
     shape: tuple[int, ...]  # global
     dtype: torch.dtype
     shards: tuple[TensorShard, ...]  # [rank] -> the part that rank holds
     quant: QuantTarget | None = None  # a linear weight stored quantized
+    gptq: tuple[GptqSlice, ...] = ()  # [rank] -> what it reads of the GPTQ tensors standing for this weight
 
     def local_shape(self, rank: int) -> tuple[int, ...]:
         return self.shards[rank].local_shape(self.shape)
@@ -122,34 +126,68 @@ def parameter_names(model: nn.Module) -> dict[str, list[str]]:
 
 
 def resolve(model: nn.Module, plan: Plan, tp: int, checkpoint: Checkpoint | None = None,
-            quant: Quant | None = None, dtype: torch.dtype | None = None, device_type: str = "cpu") -> Layout:
-    """The layout of `model` under `plan` at `tp` ranks, its linear weights quantized as `quant` says and
-    its floating parameters held in `dtype` (None: as the model has them); raises AutotpError on anything
-    that cannot load."""
+            quant: Quant | None = None, dtype: torch.dtype | None = None, device_type: str = "cpu",
+            gptq: GptqFormat | None = None) -> Layout:
+    """The layout of `model` under `plan` at `tp` ranks, its linear weights quantized as `quant` says (or
+    stored GPTQ-quantized in `gptq`'s format: with a checkpoint, the layers it stores so; without, every
+    layer a style can run quantized) and its floating parameters held in `dtype` (None: as the model has
+    them); raises AutotpError on anything that cannot load."""
     heads = tuple(plan.heads(tp))
     swaps = _swaps(model, plan)
     names = parameter_names(model)
     per_rank = [_rank_shards(model, plan, swaps, names, RankContext(rank, tp, heads[rank])) for rank in range(tp)]
-    keys = _checkpoint_keys(checkpoint, model, plan, names) if checkpoint is not None else {}
+    # GPTQ: the weights of the styles that run quantized; those the checkpoint stores so (all, without one)
+    runnable = _quant_targets(model, swaps, gptq.quant, gptq=True) if gptq is not None else None
+    keys = _checkpoint_keys(checkpoint, model, plan, names, runnable) if checkpoint is not None else {}
     targets = _quant_targets(model, swaps, quant) if quant is not None else {}
+    if runnable is not None:
+        targets = {n: t for n, t in runnable.items() if checkpoint is None or isinstance(keys.get(n), GptqKeys)}
     params = {}
     for first, all_names in names.items():
         meta = model.get_parameter(first)
         held = dtype if dtype is not None and meta.is_floating_point() else meta.dtype
-        params[first] = Param(first, tuple(all_names[1:]), keys.get(first), tuple(meta.shape), held,
-                              tuple(shards[first] for shards in per_rank), targets.get(first))
-        if params[first].quant is not None:
-            _check_quantizable(params[first], tp, device_type)
+        param = Param(first, tuple(all_names[1:]), keys.get(first), tuple(meta.shape), held,
+                      tuple(shards[first] for shards in per_rank), targets.get(first))
+        if param.quant is not None:
+            _check_quantizable(param, tp, device_type)
+        if param.quant is not None and param.quant.gptq:  # its groups whole on every rank: read it in them
+            g = Geometry.of(model.get_submodule(first.rpartition(".")[0]))
+            key = param.key or GptqKeys.of_weight(first)
+            scales = checkpoint.entries[key.scales].dtype if checkpoint is not None else torch.float16
+            param = dataclasses.replace(param, gptq=tuple(GptqSlice.of(key, g.out_features, g.in_features, gptq, s,
+                                                                       g.out_dim, scales) for s in param.shards))
+        params[first] = param
     return Layout(plan, tp, heads, swaps, params)
 
 
-def _quant_targets(model: nn.Module, swaps, quant: Quant) -> dict[str, QuantTarget]:
+def _quant_targets(model: nn.Module, swaps, quant: Quant, gptq: bool = False) -> dict[str, QuantTarget]:
     """The weights of the layers whose style says `quantizable` (the column- and row-parallel linears);
     embeddings, the output head (tied to the embedding in the families that matter most, so a quantized
     copy would add memory, not save it), experts, norms and biases stay in the model dtype."""
     return {f"{path}.weight": QuantTarget(quant, Geometry.of(model.get_submodule(path)).conv1d,
-                                          isinstance(style, Rowwise))
+                                          isinstance(style, Rowwise), gptq)
             for path, style in swaps if getattr(style, "quantizable", False)}
+
+
+def _check_groups(name: str, shape: tuple[int, ...], shards: tuple[TensorShard, ...], target: QuantTarget,
+                  tp: int) -> None:
+    """Every rank's inputs whole int4 groups (a GPTQ slice is read in whole groups; the kernel runs whole ones)."""
+    group = target.quant.group_size
+    in_dim = 0 if target.conv1d else 1
+    inputs = shape[in_dim]
+    what = "GPTQ stores" if target.gptq else "int4 quantizes"
+    if inputs % group:
+        fitting = [g for g in INT4_GROUPS if inputs % g == 0]
+        advice = ("" if target.gptq else ": " + (f"use --group-size {' or '.join(map(str, fitting))}" if fitting
+                                                  else "no int4 group size divides it") + ", or --quantize int8")
+        raise AutotpError(f"{what} {name} in groups of {group} input features, but it has {inputs}{advice}")
+    for rank, shard in enumerate(shards):
+        cols = shard.ranges if shard.dim == in_dim else [(0, inputs)]
+        if any(a % group or b % group for a, b in cols):
+            a, b = next((a, b) for a, b in cols if a % group or b % group)
+            raise AutotpError(f"{what} {name} in groups of {group} input features, but at tp {tp} rank {rank} holds "
+                              f"inputs {a}:{b} of {inputs}, which splits a group: choose a tp whose split keeps whole "
+                              "groups" + ("" if target.gptq else ", or --quantize int8"))
 
 
 def _check_quantizable(param: Param, tp: int, device_type: str) -> None:
@@ -157,24 +195,15 @@ def _check_quantizable(param: Param, tp: int, device_type: str) -> None:
     target = param.quant
     kind, group = target.quant.kind, target.quant.group_size
     in_dim = 0 if target.conv1d else 1
-    inputs = param.shape[in_dim]
-    if kind == "int4" and inputs % group:
-        fitting = [g for g in INT4_GROUPS if inputs % g == 0]
-        raise AutotpError(f"int4 quantizes {param.name} in groups of {group} input features, but it has {inputs}: "
-                          + (f"use --group-size {' or '.join(map(str, fitting))}" if fitting else "no int4 group "
-                             "size divides it") + ", or --quantize int8")
-    for rank, shard in enumerate(param.shards):
+    if kind == "int4":
+        _check_groups(param.name, param.shape, param.shards, target, tp)
+    for rank in range(tp):
         local = param.local_shape(rank)
-        if kind == "int4":
-            cols = shard.ranges if shard.dim == in_dim else [(0, inputs)]
-            if any(a % group or b % group for a, b in cols):
-                a, b = next((a, b) for a, b in cols if a % group or b % group)
-                raise AutotpError(f"int4 quantizes {param.name} in groups of {group} input features, but at tp {tp} "
-                                  f"rank {rank} holds inputs {a}:{b} of {param.shape[in_dim]}, which splits a group: "
-                                  f"choose a tp whose split keeps whole groups, or --quantize int8")
         why = kernel_fits(kind, local[1 - in_dim], local[in_dim], group, param.dtype, device_type)
         if why:
-            raise AutotpError(f"cannot quantize {param.name} to {kind} at tp {tp} (rank {rank}): {why}")
+            verb = f"run {param.name}'s GPTQ weight in torch's int4 kernel" if target.gptq else \
+                f"quantize {param.name} to {kind}"
+            raise AutotpError(f"cannot {verb} at tp {tp} (rank {rank}): {why}")
 
 
 def _swaps(model: nn.Module, plan: Plan) -> tuple[tuple[str, Style], ...]:
@@ -214,12 +243,15 @@ def _rank_shards(model: nn.Module, plan: Plan, swaps, names: dict[str, list[str]
     return shards
 
 
-def _checkpoint_keys(checkpoint: Checkpoint, model: nn.Module, plan: Plan,
-                     names: dict[str, list[str]]) -> dict[str, str | ExpertKeys]:
+def _checkpoint_keys(checkpoint: Checkpoint, model: nn.Module, plan: Plan, names: dict[str, list[str]],
+                     gptq: dict[str, QuantTarget] | None = None) -> dict[str, str | ExpertKeys | GptqKeys]:
     """First name -> the checkpoint key holding it: any of its names, the older name the plan knows, or
     either without the model's base prefix (checkpoints saved from the base model, as GPT-2's and
     BLOOM's on the hub are, say `h.0.attn.c_attn.weight` for `transformer.h.0.attn.c_attn.weight`); for
-    a fused experts parameter, its per-expert tensors where the plan's fused_sources name them."""
+    a fused experts parameter, its per-expert tensors where the plan's fused_sources name them; in a GPTQ
+    checkpoint (`gptq`: the weights that could run GPTQ-quantized), for a weight stored quantized, its GPTQ
+    tensors (`qweight` where `weight` would be). A GPTQ layer that the plan does not split column- or
+    row-wise has no module that could run it: refused."""
     prefix = f"{model.base_model_prefix}." if getattr(model, "base_model_prefix", "") else None
     expected = {}
     for first, all_names in names.items():
@@ -233,25 +265,42 @@ def _checkpoint_keys(checkpoint: Checkpoint, model: nn.Module, plan: Plan,
         keys = plan.expert_keys(first, meta.shape[0]) if meta.dim() == 3 else None
         if keys is not None:
             per_expert[first] = ExpertKeys(tuple(meta.shape), keys)
+    quantized = {}
+    for first, candidates in expected.items() if gptq is not None else ():
+        stored = [k for k in map(GptqKeys.of_weight, candidates) if k.qweight in checkpoint.entries]
+        if stored and first not in gptq:
+            raise AutotpError(f"{first} is stored GPTQ-quantized ({stored[0].qweight}), but the {plan.family} plan "
+                              "does not split it column- or row-wise, the only layers autotp runs GPTQ weights in")
+        if stored:
+            quantized[first] = (stored[0], Geometry.of(model.get_submodule(first.rpartition(".")[0])),
+                                gptq[first].quant.group_size)
     return match_keys(checkpoint, expected, metas, getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [],
-                               per_expert)
+                      per_expert, quantized)
 
 
 def match_keys(checkpoint: Checkpoint, expected: dict[str, list[str]], params: dict[str, torch.Tensor],
-               ignored: list[str] = (), per_expert: dict[str, ExpertKeys] | None = None
-               ) -> dict[str, str | ExpertKeys]:
+               ignored: list[str] = (), per_expert: dict[str, ExpertKeys] | None = None,
+               quantized: dict[str, tuple[GptqKeys, Geometry, int]] | None = None
+               ) -> dict[str, str | ExpertKeys | GptqKeys]:
     """Match the model's parameters to checkpoint keys before loading; return first name -> key.
 
     expected: first name -> every name of that parameter (tied weights); params: first name -> the
     model's (meta) parameter, for the global shape and the kind of dtype it wants. per_expert: first
     name -> the per-expert tensors that may hold a fused experts parameter instead (its key is then
-    that ExpertKeys). Missing, unused and mis-shaped tensors are errors, and so is integer data for a
-    floating-point parameter or the reverse (`Checkpoint.read` converts between floating dtypes only); `ignored`
-    are regexes of checkpoint keys the model declares it does not load (HF's
-    `_keys_to_ignore_on_load_unexpected`).
+    that ExpertKeys). quantized: first name -> the GPTQ tensors stored instead of a linear weight, with the
+    layer's geometry and group size (its key is then those GptqKeys). Missing, unused and mis-shaped
+    tensors are errors, and so is integer data for a floating-point parameter or the reverse
+    (`Checkpoint.read` converts between floating dtypes only); `ignored` are regexes of checkpoint keys the
+    model declares it does not load (HF's `_keys_to_ignore_on_load_unexpected`).
     """
     keys, missing, claimed = {}, [], set()
+    for first, (gptq_keys, geometry, group) in (quantized or {}).items():
+        _check_gptq(checkpoint, gptq_keys, geometry, group)
+        claimed.update(gptq_keys.all())
+        keys[first] = gptq_keys
     for first, names in expected.items():
+        if first in keys:
+            continue
         present = [n for n in names if n in checkpoint.entries]
         split = (per_expert or {}).get(first)
         if not present and split is not None and any(k in checkpoint.entries for ks in split.keys for k in ks):
@@ -278,6 +327,24 @@ def match_keys(checkpoint: Checkpoint, expected: dict[str, list[str]], params: d
         raise AutotpError(f"checkpoint in {checkpoint.directory} has {len(unused)} tensors the model does not use: "
                           f"{', '.join(sorted(unused)[:5])}{' ...' if len(unused) > 5 else ''}")
     return keys
+
+
+def _check_gptq(checkpoint: Checkpoint, keys: GptqKeys, geometry: Geometry, group: int) -> None:
+    """A GPTQ layer's four tensors present, of the shapes an (out, in) weight in groups of `group` gives, int32
+    (scales: floating)."""
+    absent = [k for k in keys.all() if k not in checkpoint.entries]
+    if absent:
+        raise AutotpError(f"checkpoint in {checkpoint.directory} has {keys.qweight} but lacks {', '.join(absent)}")
+    for key, shape in keys.shapes(geometry.out_features, geometry.in_features, group).items():
+        entry = checkpoint.entries[key]
+        if entry.shape != shape:
+            raise AutotpError(f"GPTQ tensor {key} has shape {entry.shape}, but a ({geometry.out_features}, "
+                              f"{geometry.in_features}) weight in groups of {group} gives {shape}")
+        wants_float = key == keys.scales
+        if entry.dtype.is_floating_point != wants_float or (not wants_float and entry.dtype != torch.int32):
+            raise AutotpError(f"GPTQ tensor {key} in {entry.file} is stored as {DTYPE_NAMES[entry.dtype]}, not "
+                              + ("a floating dtype" if wants_float else "I32"))
+
 
 def _check(checkpoint: Checkpoint, key: str, shape: tuple[int, ...], want: torch.Tensor, first: str,
            note: str = "") -> None:

@@ -31,6 +31,7 @@ class QuantTarget:
     quant: Quant
     conv1d: bool  # stored (in, out)
     splits_inputs: bool  # row-parallel: this rank holds some of the input features
+    gptq: bool = False  # stored GPTQ-quantized (autotp.quant.gptq) rather than quantized while it is read
 
 
 def quantize_slice(blocks: Blocks, target: QuantTarget, local_shape: tuple[int, ...], dtype: torch.dtype,

@@ -127,15 +127,17 @@ def kernel_fits(kind: str, out_features: int, in_features: int, group_size: int,
     return None
 
 
-def check_kernel(kind: str, device_type: str, dtype: torch.dtype) -> None:
+def check_kernel(kind: str, device_type: str, dtype: torch.dtype, what: str | None = None) -> None:
     """A clear error, before loading, for a device and dtype with no kernel: a silent dequantized model
-    would be slower than the unquantized one and hold both."""
+    would be slower than the unquantized one and hold both. `what` names what asks for the kernel (default:
+    `--quantize KIND`)."""
+    what = what or f"--quantize {kind}"
     if device_type == "cpu":
         return
     if device_type != "cuda":
-        raise AutotpError(f"--quantize {kind} has kernels for cpu and cuda, not {device_type}")
+        raise AutotpError(f"{what} has kernels for cpu and cuda, not {device_type}")
     if kind == "int4" and dtype != torch.bfloat16:
-        raise AutotpError(f"--quantize int4 on CUDA needs --dtype bfloat16 (torch's int4 kernel), got "
+        raise AutotpError(f"{what} on CUDA needs --dtype bfloat16 (torch's int4 kernel), got "
                           f"{str(dtype).removeprefix('torch.')}")
 
 
