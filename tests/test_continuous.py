@@ -16,6 +16,7 @@ from checkpoints import word_tokenizer
 from engine_driver import drive, engine_for, job
 
 from autotp.generate import generate
+from autotp.serve.engine import Job
 from autotp.serve.scheduler import Limits, Need, admit, chunk_size, peak_kv
 
 # (prompt length, max_tokens, temperature, top_p, top_k, seed, arrival step): greedy and sampled rows,
@@ -254,6 +255,47 @@ def test_a_forward_that_raises_fails_its_rows_with_500_and_the_engine_goes_on(to
     assert pair[0].emit.ended[2] == (500, "generation failed: RuntimeError: injected failure")
     x = torch.tensor([later.row.ids])
     assert tokens_of(later.emit.ended) == generate(model, x, max_new_tokens=10)[0, 3:].tolist()
+
+
+def forwards_of(model, new: Job, fail_decode_after_its_prefill: bool = False) -> list[tuple]:
+    """Hooks model's forward: records (input shape, tokens `new` has streamed so far) per forward and,
+    if asked, raises in the first one-column forward after `new`'s prefill (a (1, 4) forward)."""
+    seen: list[tuple] = []
+
+    def record(module, args, kwargs):
+        shape = tuple(kwargs["input_ids"].shape)
+        seen.append((shape, sum(e[0] == "token" for e in new.emit.events)))
+        prefilled = any(s == (1, 4) for s, _ in seen[:-1])
+        if fail_decode_after_its_prefill and prefilled and shape == (1, 1) and seen[-2][0] == (1, 4):
+            raise RuntimeError("injected failure")
+
+    model.model.register_forward_pre_hook(record, with_kwargs=True)
+    return seen
+
+
+def test_a_new_rows_first_token_is_out_before_the_running_rows_decode(tokenizer):
+    """A step that completes a prefill and decodes the running rows samples the new rows between its two
+    forwards: their first token streams while the decode runs, not after it."""
+    model = build("llama")
+    running, new = job([5, 6, 7], 10, index=0), job([8, 9, 10, 11], 5, stream=True, index=1)
+    expected = generate(model, torch.tensor([new.row.ids]), max_new_tokens=5)[0, 4:].tolist()
+    seen = forwards_of(model, new)
+    drive(engine_for(model, tokenizer), {0: [running], 3: [new]})
+    at = [s for s, _ in seen].index((1, 4))
+    assert seen[at + 1] == ((1, 1), 1), seen  # the running row's decode, the new row's token already out
+    assert tokens_of(new.emit.ended) == expected
+
+
+def test_a_decode_that_raises_after_a_prefill_fails_only_the_running_rows(tokenizer):
+    """The decode forward fails in the step that completed a prefill: the running rows get 500, the
+    prefilled row has its first token and goes on to its text alone."""
+    model = build("llama")
+    running, new = job([5, 6, 7], 10, index=0), job([8, 9, 10, 11], 5, stream=True, index=1)
+    expected = generate(model, torch.tensor([new.row.ids]), max_new_tokens=5)[0, 4:].tolist()
+    forwards_of(model, new, fail_decode_after_its_prefill=True)
+    drive(engine_for(model, tokenizer), {0: [running], 3: [new]})
+    assert running.emit.ended[2] == (500, "generation failed: RuntimeError: injected failure")
+    assert tokens_of(new.emit.ended) == expected
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])

@@ -126,6 +126,7 @@ class Engine:
         self.accepting = True
         self.error = ""  # how this rank's last step failed, sent with the next step
         self.failed: list[tuple[Job, str]] = []  # answered 500 once the next step reached every rank
+        self.deferred: Exception | None = None  # what sampling raised between a step's two forwards
 
     def submit(self, jobs: list[Job]) -> str:
         """Queue a request's jobs together: "ok", "full" (the queue holds max_queue jobs) or "closed"."""
@@ -194,15 +195,19 @@ class Engine:
         if not (step.chunk or step.tokens):
             return
         try:
-            logits = self.batch.run(step)
+            logits = self.batch.run(step, prefilled=self._sample_prefill)
         except Exception as e:  # noqa: BLE001 - the next step tells every rank; they must have failed alike
             self.error = describe(e)
             lost = set(self.active) - set(self.batch.rows())
             log(f"a step of {len(lost)} rows failed; they get 500 and the server goes on: {self.error}")
             for row in lost:
                 self.failed.append((self.active.pop(row).job, f"generation failed: {self.error}"))
-            return
-        self._sample(logits)
+            logits = None
+        if self.deferred is not None:
+            e, self.deferred = self.deferred, None
+            raise e
+        if logits is not None and logits.decode is not None:
+            self._sample_rows(logits.decode_rows, logits.decode)
 
     def _unqueue(self, job: Job) -> Job:
         with self.lock:
@@ -261,14 +266,17 @@ class Engine:
         return Step(drop, tokens, tuple(admitted), chunk_size(len(admitted), width, len(order), self.limits),
                     all_logits=all_logits, error=error)
 
-    def _sample(self, logits: Logits) -> None:
-        if logits.prefill is not None:
+    def _sample_prefill(self, logits: Logits) -> None:
+        """Between the step's two forwards: a prompt that is now complete streams its first token while
+        the running rows decode (their forward releases the GIL to the event loop that sends it). What
+        this raises is raised after the decode forward, which the other ranks run whatever rank 0 does."""
+        try:
             if self.batch.prefill is not None and self.batch.prefill.all_logits:
                 self._prompt_logprobs(logits)
             if logits.first:
                 self._sample_rows(logits.prefill_rows, logits.prefill[:, -1])
-        if logits.decode is not None:
-            self._sample_rows(logits.decode_rows, logits.decode)
+        except Exception as e:  # noqa: BLE001 - re-raised by step()
+            self.deferred = e
 
     def _sample_rows(self, rows: list[int], scores: torch.Tensor) -> None:
         """scores (rows, vocab): each row's next token, then its log-probabilities where it asked for them."""

@@ -10,13 +10,15 @@ Every rank keeps the same `Batch` and changes it only through `apply(step)` and 
 Per step, `apply` first moves a complete prefill into `running`, removes `step.drop` (finished,
 cancelled or failed rows, and their memory with them) and starts `step.admit` as the new prefill; `run`
 then does at most one prefill forward and one decode forward and returns their last-position logits.
-Sampling is not here: rank 0 samples (engine.py) and sends the tokens in the next step. A forward that
-raises leaves its cache half-updated, so its rows are discarded on every rank alike (`discard`).
+Sampling is not here: rank 0 samples (engine.py) and sends the tokens in the next step; it takes the
+prefill's scores between the two forwards, so a new row's first token does not wait for the decode. A
+forward that raises leaves its cache half-updated, so its rows are discarded on every rank alike (`discard`).
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -117,8 +119,9 @@ class Batch:
             rows, prompts = zip(*step.admit, strict=True)
             self.prefill = Prefill(list(rows), list(prompts), self.pad, self.model.config, self.device, step.all_logits)
 
-    def run(self, step: Step) -> Logits:
-        """This step's forwards: raises what a forward raised, with the rows it ran already discarded."""
+    def run(self, step: Step, prefilled: Callable[[Logits], None] | None = None) -> Logits:
+        """This step's forwards: raises what a forward raised, with the rows it ran already discarded.
+        `prefilled(logits)` sees the prefill's scores before the decode forward starts (rank 0 samples there)."""
         out = Logits([], None, 0, 0, False, [], None)
         if step.chunk:
             group = self.prefill
@@ -129,6 +132,8 @@ class Batch:
                 self.prefill = None
                 raise
             out.prefill_rows, out.end, out.first = list(group.rows), group.done, group.complete
+            if prefilled is not None:
+                prefilled(out)
         if step.tokens:
             rows = list(self.running.rows)
             try:
