@@ -10,7 +10,9 @@ greedy tokens:
     v1_desc_act    GPTQModel with desc_act (act order): refused
     v1_bigcode     GPTQModel, v1, asymmetric, GPT-BigCode (StarCoder's architecture: the fused multi-query c_attn
                    [Q | K | V], every rank reading the one K/V head's columns; biases)
-A Llama (the GPT-BigCode: the same sizes) of hidden 128, 4 heads, 2 KV heads, intermediate 384, 2 layers, groups
+    v1_gpt2        GPTQModel, v1, asymmetric, GPT-2: transformers' Conv1D layers, whose weight is (in, out), stored
+                   by GPTQ as a Linear's (qweight (in / 8, out)), with the fused [Q | K | V] c_attn
+A Llama (the GPT-BigCode and GPT-2: the same sizes) of hidden 128, 4 heads, 2 KV heads, intermediate 384, 2 layers, groups
 of 32: every tp in 1..4 splits its row-parallel inputs into whole groups and gives slices torch's CPU int4 kernel
 takes.
 """
@@ -36,7 +38,7 @@ from autotp.report import plan_report
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gptq"
 ROOT = Path(__file__).resolve().parents[1]
-LOADABLE = ["v1_sym", "v1_asym_zero0", "v2_asym", "v1_bigcode"]
+LOADABLE = ["v1_sym", "v1_asym_zero0", "v2_asym", "v1_bigcode", "v1_gpt2"]
 CPU = torch.device("cpu")
 NEW_TOKENS = 16
 
@@ -62,6 +64,14 @@ def gptq_scales(name: str, layer: str) -> torch.Tensor:
     return state[prefix + "scales"].float()[state[prefix + "g_idx"].long()].t()
 
 
+def rank_slice(param, rank: int, weight: torch.Tensor) -> torch.Tensor:
+    """The rank's part of an (out, in) tensor, (out, in): the shard indexes the module's own weight, which for
+    a Conv1D (GPT-2) is (in, out)."""
+    if param.quant.conv1d:
+        return param.shards[rank].take(weight.t()).t()
+    return param.shards[rank].take(weight)
+
+
 def slice_errors(name: str, tp: int, dtype=torch.float32) -> dict[tuple[int, str], float]:
     """(rank, layer) -> how far the rank's repacked slice, as the kernel runs it rounded to fp16, is from the
     library's dequantized weight's same slice, in units of the GPTQ scale (0.0: bit-exact); every layer of every
@@ -75,8 +85,8 @@ def slice_errors(name: str, tp: int, dtype=torch.float32) -> dict[tuple[int, str
             before = p.checkpoint.bytes_read
             ours = kernel_weight(load_slice(p.checkpoint, param.gptq[rank], dtype, CPU)).half().float()
             assert p.checkpoint.bytes_read - before == sum(r.nbytes() for r in param.gptq[rank].reads)
-            theirs = param.shards[rank].take(weights[param.name]).float()  # the shard indexes the (out, in) weight
-            errors[rank, param.name] = ((ours - theirs).abs() / param.shards[rank].take(scales)).max().item()
+            theirs = rank_slice(param, rank, weights[param.name]).float()
+            errors[rank, param.name] = ((ours - theirs).abs() / rank_slice(param, rank, scales)).max().item()
     assert len(errors) == (len(weights) - 1) * tp  # every layer the library dequantized (and its logits)
     return errors
 
