@@ -12,9 +12,9 @@ greedy tokens:
                    [Q | K | V], every rank reading the one K/V head's columns; biases)
     v1_gpt2        GPTQModel, v1, asymmetric, GPT-2: transformers' Conv1D layers, whose weight is (in, out), stored
                    by GPTQ as a Linear's (qweight (in / 8, out)), with the fused [Q | K | V] c_attn
-A Llama (the GPT-BigCode and GPT-2: the same sizes) of hidden 128, 4 heads, 2 KV heads, intermediate 384, 2 layers, groups
-of 32: every tp in 1..4 splits its row-parallel inputs into whole groups and gives slices torch's CPU int4 kernel
-takes.
+A Llama (the GPT-BigCode and GPT-2: the same sizes) of hidden 128, 4 heads, 2 KV heads, intermediate 384, 2
+layers, groups of 32: every tp in 1..4 splits its row-parallel inputs into whole groups and gives slices torch's
+CPU int4 kernel takes.
 """
 
 import functools

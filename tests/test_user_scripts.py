@@ -82,6 +82,7 @@ def run_to_the_end(script: str, *args: str, out: Path) -> subprocess.CompletedPr
     run = torchrun(2, str(SCRIPTS / "at_exit.py"), str(SCRIPTS / script), *args, str(out))
     assert run.returncode == 0, run.stderr[-3000:]
     for r in range(2):
+        assert (out / f"threads{r}.json").exists(), f"rank {r} recorded no threads at exit: {run.stderr[-3000:]}"
         threads = json.loads((out / f"threads{r}.json").read_text())
         assert not [t for t in threads if t in GLOO_THREADS], f"rank {r} finalizes with gloo threads alive: {threads}"
     return run

@@ -20,7 +20,12 @@ from pathlib import Path
 
 
 def record() -> None:  # registered before the script runs, so it runs after the script's own handlers
-    names = [Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task")]
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            names.append(Path(f"/proc/self/task/{task}/comm").read_text().strip())
+        except (FileNotFoundError, ProcessLookupError):  # the thread ended between the listing and the read
+            pass
     Path(sys.argv[-1], f"threads{os.environ.get('RANK', '0')}.json").write_text(json.dumps(sorted(names)))
 
 
