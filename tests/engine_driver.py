@@ -34,8 +34,9 @@ class Recorder:
 
 
 def job(ids, max_tokens: int, temperature: float = 0.0, seed: int = 0, stop: tuple[str, ...] = (),
-        stream: bool = False, top_p: float = 1.0, top_k: int = 0, index: int = 0) -> Job:
-    row = Row(tuple(ids), max_tokens, temperature, top_p, seed, tuple(stop), top_k)
+        stream: bool = False, top_p: float = 1.0, top_k: int = 0, index: int = 0, logprobs: int | None = None,
+        prompt_logprobs: bool = False) -> Job:
+    row = Row(tuple(ids), max_tokens, temperature, top_p, seed, tuple(stop), top_k, logprobs, prompt_logprobs)
     return Job(row, index, Recorder(), TextStream(row.stop) if stream else None, f"job{index}")
 
 
@@ -100,6 +101,32 @@ def serve_rows(model_dir: str, tokenizer_dir: str, prompts: list[list[int]], spe
         return out
 
     ended = run_on_ranks(model, tokenizer, arrivals, limits)
+    return None if ended is None else [e for e, _ in ended]
+
+
+def failing_alike(model_dir: str, tokenizer_dir: str) -> list | None:
+    """A pool task: the two-row decode forward raises once on every rank, each rank's message its own (as a CUDA
+    out-of-memory error names its GPU); a third row arrives later. Returns rank 0's end events."""
+    import torch.distributed as dist
+    from transformers import AutoTokenizer
+
+    import autotp
+
+    model = autotp.from_pretrained(model_dir, check_inputs=False)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    armed = {"on": True}
+
+    def raise_once(module, args, kwargs):
+        if armed["on"] and kwargs["input_ids"].shape == (2, 1):
+            armed["on"] = False
+            raise RuntimeError(f"out of memory on GPU {dist.get_rank()}")
+
+    model.model.register_forward_pre_hook(raise_once, with_kwargs=True)
+
+    def arrivals() -> dict[int, list[Job]]:
+        return {0: [job([5, 6, 7], 10, index=0), job([8, 9], 10, index=1)], 8: [job([5, 6, 7], 10, index=2)]}
+
+    ended = run_on_ranks(model, tokenizer, arrivals)
     return None if ended is None else [e for e, _ in ended]
 
 

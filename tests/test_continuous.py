@@ -298,6 +298,41 @@ def test_a_decode_that_raises_after_a_prefill_fails_only_the_running_rows(tokeni
     assert tokens_of(new.emit.ended) == expected
 
 
+def test_ranks_that_fail_alike_with_their_own_messages_fail_the_rows_and_go_on(pools, saved, tokenizer):
+    """The ranks agree on how a step failed by the exception's type: a CUDA out-of-memory message names each
+    rank's GPU, and the same failure must not read as ranks out of lockstep (which shuts the server down)."""
+    from engine_driver import failing_alike
+
+    ranks = pools(2).run(failing_alike, saved("llama"), tokenizer.name_or_path)
+    assert ranks[1] is None
+    first, second, later = ranks[0]
+    message = (500, "generation failed: RuntimeError: out of memory on GPU 0")  # rank 0's words
+    assert first == ("error", 0, message) and second == ("error", 1, message)
+    x = torch.tensor([[5, 6, 7]])
+    assert tokens_of(later) == generate(build("llama"), x, max_new_tokens=10)[0, 3:].tolist()
+
+
+def test_rank_0s_failure_on_one_rows_log_probabilities_fails_that_row_only(tokenizer, monkeypatch):
+    """Sampling and log-probabilities run on rank 0 alone, after the forward: what they raise (an allocation
+    for a long prompt's scores) fails the rows that asked for them with 500; the others and the engine go on."""
+    import autotp.serve.engine as engine_module
+
+    model = build("llama")
+    plain, asks = job([5, 6, 7], 10, index=0), job([8, 9], 10, index=1, logprobs=2)
+    echo = job([5, 6, 7, 8], 10, index=2, prompt_logprobs=True, logprobs=0)
+    later = job([5, 6, 7], 10, index=3)
+
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+
+    monkeypatch.setattr(engine_module, "token_logprobs", out_of_memory)
+    drive(engine_for(model, tokenizer), {0: [plain, asks], 3: [echo], 6: [later]})
+    expected = "generation failed: OutOfMemoryError: CUDA out of memory. Tried to allocate 1.00 GiB"
+    assert asks.emit.ended == ("error", 1, (500, expected)) and echo.emit.ended == ("error", 2, (500, expected))
+    alone_ = generate(model, torch.tensor([[5, 6, 7]]), max_new_tokens=10)[0, 3:].tolist()
+    assert tokens_of(plain.emit.ended) == tokens_of(later.emit.ended) == alone_
+
+
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_quantized_rows_get_what_one_process_gives(pools, tokenizer, tmp_path, kind):
     """`autotp serve --quantize`: the engine at tp 2 on a quantized multi-query model gives each row the tokens

@@ -46,6 +46,11 @@ def describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}".splitlines()[0][:200]
 
 
+def kind(description: str) -> str:
+    """The exception type of a `describe` line ("" for a step that ran): what the ranks must agree on."""
+    return description.split(":", 1)[0]
+
+
 class StopFlag:
     """Set from a SIGINT/SIGTERM handler (one assignment, safe there); remembers when."""
 
@@ -126,7 +131,6 @@ class Engine:
         self.accepting = True
         self.error = ""  # how this rank's last step failed, sent with the next step
         self.failed: list[tuple[Job, str]] = []  # answered 500 once the next step reached every rank
-        self.deferred: Exception | None = None  # what sampling raised between a step's two forwards
 
     def submit(self, jobs: list[Job]) -> str:
         """Queue a request's jobs together: "ok", "full" (the queue holds max_queue jobs) or "closed"."""
@@ -203,11 +207,8 @@ class Engine:
             for row in lost:
                 self.failed.append((self.active.pop(row).job, f"generation failed: {self.error}"))
             logits = None
-        if self.deferred is not None:
-            e, self.deferred = self.deferred, None
-            raise e
         if logits is not None and logits.decode is not None:
-            self._sample_rows(logits.decode_rows, logits.decode)
+            self._sample_or_fail(logits.decode_rows, lambda: self._sample_rows(logits.decode_rows, logits.decode))
 
     def _unqueue(self, job: Job) -> Job:
         with self.lock:
@@ -268,15 +269,31 @@ class Engine:
 
     def _sample_prefill(self, logits: Logits) -> None:
         """Between the step's two forwards: a prompt that is now complete streams its first token while
-        the running rows decode (their forward releases the GIL to the event loop that sends it). What
-        this raises is raised after the decode forward, which the other ranks run whatever rank 0 does."""
-        try:
+        the running rows decode (their forward releases the GIL to the event loop that sends it)."""
+
+        def sample() -> None:
             if self.batch.prefill is not None and self.batch.prefill.all_logits:
-                self._prompt_logprobs(logits)
+                asked = [r for r in logits.prefill_rows if self.active[r].job.row.prompt_logprobs]
+                self._sample_or_fail(asked, lambda: self._prompt_logprobs(logits))
             if logits.first:
                 self._sample_rows(logits.prefill_rows, logits.prefill[:, -1])
-        except Exception as e:  # noqa: BLE001 - re-raised by step()
-            self.deferred = e
+
+        self._sample_or_fail(logits.prefill_rows, sample)
+
+    def _sample_or_fail(self, rows: list[int], work) -> None:
+        """Rank 0's own work on a forward's scores (sampling, log-probabilities: an allocation that fails, a
+        bug): what it raises fails `rows` with 500 and nothing else. The ranks ran the same forwards, so they
+        stay in lockstep, and the failed rows leave at the next step."""
+        try:
+            work()
+        except Exception as e:  # noqa: BLE001 - one request must not take the server down
+            log(f"rank 0's work on the scores of {len(rows)} rows failed; they get 500 and the server goes on: "
+                f"{describe(e)}")
+            for row in rows:
+                a = self.active.get(row)
+                if a is not None and not a.done:
+                    a.done = True
+                    a.job.fail(500, f"generation failed: {describe(e)}")
 
     def _sample_rows(self, rows: list[int], scores: torch.Tensor) -> None:
         """scores (rows, vocab): each row's next token, then its log-probabilities where it asked for them."""
@@ -285,6 +302,8 @@ class Engine:
         picked: dict[int, int] = {}
         for i, row in enumerate(rows):
             a = self.active[row]
+            if a.done:  # failed earlier in this step (its prompt's log-probabilities)
+                continue
             try:
                 picked[i] = greedy[i] if finite[i] and a.sampler.generator is None else a.sampler.pick(scores[i])
             except SampleError as e:
@@ -292,10 +311,16 @@ class Engine:
                 a.done = True
                 a.job.fail(500, str(e))
         want = [i for i in picked if self.active[rows[i]].job.row.logprobs is not None]
-        logprobs = dict(zip(want, token_logprobs(scores[want], [picked[i] for i in want],
-                                                 [self.active[rows[i]].job.row.logprobs for i in want]), strict=True))
+        logprobs: dict[int, TokenLogprob] = {}
+
+        def compute() -> None:
+            tops = [self.active[rows[i]].job.row.logprobs for i in want]
+            logprobs.update(zip(want, token_logprobs(scores[want], [picked[i] for i in want], tops), strict=True))
+
+        self._sample_or_fail([rows[i] for i in want], compute)
         for i, token in picked.items():
-            self._advance(self.active[rows[i]], token, logprobs.get(i))
+            if not self.active[rows[i]].done:
+                self._advance(self.active[rows[i]], token, logprobs.get(i))
 
     def _prompt_logprobs(self, logits: Logits) -> None:
         """Each prompt token's log-probability given the ones before it, from this chunk's scores
@@ -367,7 +392,7 @@ def follow(model, channel: Channel, stopping: StopFlag) -> int:
     error = ""
     while True:
         step = channel.recv()
-        if step.error != error:
+        if kind(step.error) != kind(error):  # the messages may differ by rank (a CUDA OOM names its GPU)
             raise RuntimeError(f"the tensor-parallel ranks disagree on the last step: rank 0 "
                                f"{step.error or 'ran it'!r}, this rank {error or 'ran it'!r}")
         if step.stop:
