@@ -11,6 +11,7 @@ import http.client
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -215,6 +216,62 @@ def test_an_editor_that_cancels_on_every_keystroke(server):
     assert cancelled == len(line) - 7
 
 
+@pytest.mark.timeout(120)
+def test_llm_vscode_dropping_its_generate_request_ends_the_row_and_counts_499(server):
+    """llm-ls POSTs /generate without streaming and drops the request when the user types on: the row ends at
+    the next step, and the request is answered (to nobody) and counted as the client's 499, not left waiting."""
+    body = json.dumps({"inputs": "def f(x):", "parameters": {"max_new_tokens": 115}}).encode()
+    before = metrics(server)
+
+    def running() -> float:
+        return metrics(server)["autotp:num_requests_running"]
+
+    for _ in range(3):
+        deadline = time.monotonic() + 30
+        while running():  # the row before has left: the next one seen running is this request's
+            assert time.monotonic() < deadline, server.text()[-2000:]
+            time.sleep(0.02)
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     + f"Authorization: Bearer {server.api_key}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+                     + body)
+        deadline = time.monotonic() + 30
+        while running() < 1:
+            assert time.monotonic() < deadline, server.text()[-2000:]
+            time.sleep(0.02)
+        sock.close()  # mid-generation: 115 tokens take over a second here
+    deadline = time.monotonic() + 30
+    while (after := metrics(server))["autotp:request_errors_total{status=499}"] - before.get(
+            "autotp:request_errors_total{status=499}", 0) < 3 or after["autotp:num_requests_running"]:
+        assert time.monotonic() < deadline, server.text()[-2000:]
+        time.sleep(0.1)
+    text = server.text()
+    cancelled = re.findall(r"^autotp serve: (tgi-\w+) prompt 0 cancelled after \d+ of 115 tokens", text, re.M)
+    assert len(cancelled) >= 3 and all(re.search(rf"^autotp serve: {c} status=499 ", text, re.M) for c in cancelled)
+    assert server.post({"inputs": "x", "parameters": {"max_new_tokens": 2}}, "/generate")[0] == 200
+
+
+def test_tgi_refuses_what_tgi_refuses_and_names_a_failed_generation_424():
+    """top_p and top_k of 0 (TGI: 422, they are not "off"); an engine failure is TGI's 424 "generation", which
+    huggingface_hub raises as GenerationError, where OpenAI's routes answer 500."""
+    from autotp.serve import tgi_api
+    from autotp.serve.boundary import ApiError
+    from autotp.serve.http import engine_error
+
+    failed = engine_error(500, "generation failed: RuntimeError: boom")
+    assert tgi_api.status(failed) == 424 and tgi_api.error_body(failed)["error_type"] == "generation"
+    assert failed.body()["error"]["type"] == "server_error" and failed.status == 500
+    assert tgi_api.status(engine_error(503, "the server is shutting down")) == 503
+    assert tgi_api.status(ApiError(500, "a bug", type="server_error")) == 500
+
+
+@pytest.mark.parametrize("parameters, message", [({"top_p": 0.0, "do_sample": True}, "top_p must be > 0.0"),
+                                                 ({"top_k": 0}, "top_k must be strictly positive")])
+def test_tgi_parameters_tgi_refuses_get_422(server, parameters, message):
+    code, out = server.post({"inputs": PROMPT, "parameters": {"max_new_tokens": 2, **parameters}}, "/generate")
+    assert code == 422 and out["error_type"] == "validation" and message in out["error"], out
+
+
 # --- OpenAI's completions and chat, as the openai client sends them ---
 
 def test_n_logprobs_and_echo_against_the_unsharded_model(server, unsharded):
@@ -255,6 +312,12 @@ def test_chat_completions_through_the_openai_client(server, unsharded):
     assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content == plain.choices[0].text
     assert len(chat.choices[0].logprobs.content) == chat.usage.completion_tokens
     assert all(len(t.top_logprobs) == 2 for t in chat.choices[0].logprobs.content)
+    wide = server.client.chat.completions.create(model=server.model_id, messages=messages, max_tokens=4,
+                                                 temperature=0, logprobs=True, top_logprobs=20)  # OpenAI's limit
+    assert all(len(t.top_logprobs) == 20 for t in wide.choices[0].logprobs.content)
+    with pytest.raises(openai.BadRequestError, match="between 0 and 20"):
+        server.client.chat.completions.create(model=server.model_id, messages=messages, logprobs=True,
+                                              top_logprobs=21)
     chunks = list(server.client.chat.completions.create(model=server.model_id, messages=messages, max_tokens=16,
                                                         temperature=0, stream=True,
                                                         stream_options={"include_usage": True}))

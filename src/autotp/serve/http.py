@@ -144,7 +144,9 @@ def build_app(served: Served, engine: Engine, metrics: Metrics, max_body_bytes: 
             return StreamingResponse(_stream(call), media_type="text/event-stream")
         await _collect(request, call)
         p = call.parsed
-        return JSONResponse(p.answer.body(call.cid, p.rows, call.ordered(), p.prompt_tokens))
+        response = JSONResponse(p.answer.body(call.cid, p.rows, call.ordered(), p.prompt_tokens))
+        call.log(200)
+        return response
 
     @app.get("/health")
     async def health() -> dict:
@@ -188,21 +190,34 @@ def build_app(served: Served, engine: Engine, metrics: Metrics, max_body_bytes: 
 
 
 async def _collect(request: Request, call: Call) -> None:
-    """Wait for every row's result; a row's error is the request's error."""
+    """Wait for every row's result; a row's error is the request's error. A client that goes away first
+    (an editor cancelling on a keystroke) ends the wait: the engine drops its rows without a word."""
     watcher = asyncio.create_task(_watch_disconnect(request, call))
     try:
         while len(call.results) < len(call.jobs):
-            kind, index, payload = await call.events.get()
+            event = asyncio.create_task(call.events.get())
+            await asyncio.wait({event} if watcher.done() else {event, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not event.done():  # the watcher ended first
+                event.cancel()
+                if any(job.cancelled for job in call.jobs):
+                    call.log(499, "the client went away")
+                    raise ApiError(499, "the client went away", type="server_error")  # sent to nobody
+                continue
+            kind, index, payload = event.result()
             if kind == "error":
                 call.log(payload[0], payload[1])
-                raise ApiError(*payload, type="server_error")
+                raise engine_error(*payload)
             if kind == "done":
                 call.results[index] = payload
     finally:
         watcher.cancel()
         if len(call.results) < len(call.jobs):
             call.cancel_unfinished()
-    call.log(200)
+
+
+def engine_error(status: int, message: str) -> ApiError:
+    """A row the engine failed: 500 is a failed generation (TGI: 424), 503 the server going away."""
+    return ApiError(status, message, type="server_error", code="generation_failed" if status == 500 else None)
 
 
 async def _stream(call: Call):
@@ -224,7 +239,7 @@ async def _stream(call: Call):
                     yield _sse(item)
             else:  # the status line is sent already: the error travels as an event, as OpenAI's and TGI's do
                 status, error = payload
-                yield _sse(answer.error_event(ApiError(status, error, type="server_error")))
+                yield _sse(answer.error_event(engine_error(status, error)))
                 return
         for item in answer.end(call.cid, call.ordered(), call.parsed.prompt_tokens):
             yield _sse(item)

@@ -31,6 +31,8 @@ from autotp.serve.types import Piece, Result, Row, TokenLogprob
 
 STRICT = ConfigDict(strict=True, extra="forbid")
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on chat's top_logprobs (completions' logprobs: MAX_LOGPROBS)
+
 
 class StreamOptions(BaseModel):
     model_config = STRICT
@@ -174,8 +176,8 @@ def parse_chat(raw: bytes, served: Served) -> Parsed:
     room = min(served.max_model_len, served.kv_tokens)
     n, checked, stop = _common(body, served, tokens, 1)
     top = body.top_logprobs
-    if top is not None and not (body.logprobs and 0 <= top <= MAX_LOGPROBS):
-        raise invalid("top_logprobs", f"top_logprobs needs logprobs=true and is between 0 and {MAX_LOGPROBS}, "
+    if top is not None and not (body.logprobs and 0 <= top <= MAX_TOP_LOGPROBS):
+        raise invalid("top_logprobs", f"top_logprobs needs logprobs=true and is between 0 and {MAX_TOP_LOGPROBS}, "
                                       f"got {top}")
     ids = prompt_ids(served, text, None, checked.max_tokens if tokens is not None else 1, param="messages",
                      template=True)

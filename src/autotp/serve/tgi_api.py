@@ -91,6 +91,10 @@ def _parse(raw: bytes, served: Served, stream: bool | None) -> Parsed:
     _neutral(p)
     if p.temperature is not None and p.temperature <= 0:
         raise invalid("parameters.temperature", f"temperature must be strictly positive, got {p.temperature}")
+    if p.top_p is not None and p.top_p <= 0:  # TGI's rule; 1.0 (TGI refuses it) is taken as "no top-p"
+        raise invalid("parameters.top_p", f"top_p must be > 0.0 and <= 1.0, got {p.top_p}")
+    if p.top_k is not None and p.top_k <= 0:
+        raise invalid("parameters.top_k", f"top_k must be strictly positive, got {p.top_k}")
     sampled = bool(p.do_sample) or (p.temperature not in (None, 1.0)) or bool(p.top_k) or (p.top_p not in (None, 1.0))
     names = {"max_tokens": "max_new_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
              "seed": "seed"}
@@ -221,7 +225,10 @@ ERROR_TYPES = {422: "validation", 429: "overloaded", 424: "generation", 503: "un
 
 
 def status(error: ApiError) -> int:
-    """TGI answers a request it cannot take with 422 where OpenAI answers 400."""
+    """TGI answers a request it cannot take with 422 where OpenAI answers 400, and a generation that failed
+    with 424 (huggingface_hub's GenerationError) where OpenAI answers 500."""
+    if error.status == 500 and error.code == "generation_failed":
+        return 424
     return 422 if error.status == 400 else error.status
 
 

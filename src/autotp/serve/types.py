@@ -60,4 +60,5 @@ class Result:
 
 
 def log(message: str) -> None:
-    print(f"autotp serve: {message}", file=sys.stderr, flush=True)
+    sys.stderr.write(f"autotp serve: {message}\n")  # one write: lines from the HTTP and engine threads never merge
+    sys.stderr.flush()
