@@ -99,6 +99,11 @@ class Active:
     done: bool = False  # finished, failed or answered: leaves at the next step
     last: float | None = None  # when its last token came out (metrics)
 
+    def fail(self, status: int, message: str) -> None:
+        """Answer the job with an error; the row leaves at the next step."""
+        self.done = True
+        self.job.fail(status, message)
+
     def need(self) -> Need:
         row = self.job.row
         return Need(len(row.ids) + len(self.tokens), row.max_tokens - len(self.tokens))
@@ -271,14 +276,12 @@ class Engine:
         """Between the step's two forwards: a prompt that is now complete streams its first token while
         the running rows decode (their forward releases the GIL to the event loop that sends it)."""
 
-        def sample() -> None:
-            if self.batch.prefill is not None and self.batch.prefill.all_logits:
-                asked = [r for r in logits.prefill_rows if self.active[r].job.row.prompt_logprobs]
-                self._sample_or_fail(asked, lambda: self._prompt_logprobs(logits))
-            if logits.first:
-                self._sample_rows(logits.prefill_rows, logits.prefill[:, -1])
-
-        self._sample_or_fail(logits.prefill_rows, sample)
+        if self.batch.prefill is not None and self.batch.prefill.all_logits:
+            asked = [r for r in logits.prefill_rows if self.active[r].job.row.prompt_logprobs]
+            self._sample_or_fail(asked, lambda: self._prompt_logprobs(logits))
+        if logits.first:
+            self._sample_or_fail(logits.prefill_rows, lambda: self._sample_rows(logits.prefill_rows,
+                                                                                  logits.prefill[:, -1]))
 
     def _sample_or_fail(self, rows: list[int], work) -> None:
         """Rank 0's own work on a forward's scores (sampling, log-probabilities: an allocation that fails, a
@@ -292,8 +295,7 @@ class Engine:
             for row in rows:
                 a = self.active.get(row)
                 if a is not None and not a.done:
-                    a.done = True
-                    a.job.fail(500, f"generation failed: {describe(e)}")
+                    a.fail(500, f"generation failed: {describe(e)}")
 
     def _sample_rows(self, rows: list[int], scores: torch.Tensor) -> None:
         """scores (rows, vocab): each row's next token, then its log-probabilities where it asked for them."""
@@ -308,8 +310,7 @@ class Engine:
                 picked[i] = greedy[i] if finite[i] and a.sampler.generator is None else a.sampler.pick(scores[i])
             except SampleError as e:
                 log(f"{a.job.request} prompt {a.job.index} failed: {e}")
-                a.done = True
-                a.job.fail(500, str(e))
+                a.fail(500, str(e))
         want = [i for i in picked if self.active[rows[i]].job.row.logprobs is not None]
         logprobs: dict[int, TokenLogprob] = {}
 
@@ -368,8 +369,7 @@ class Engine:
                                                     tuple(a.prompt_logprobs), stopped_by)))
         except Exception as e:  # noqa: BLE001 - rank 0's decoding, between steps: this request only
             log(f"{job.request} prompt {job.index} failed after generating: {describe(e)}")
-            a.done = True
-            job.fail(500, f"decoding the completion failed: {type(e).__name__}")
+            a.fail(500, f"decoding the completion failed: {type(e).__name__}")
 
 
 def token_logprobs(scores: torch.Tensor, tokens: list[int], tops: list[int]) -> list[TokenLogprob]:
