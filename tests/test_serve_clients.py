@@ -255,8 +255,7 @@ def test_tgi_refuses_what_tgi_refuses_and_names_a_failed_generation_424():
     """top_p and top_k of 0 (TGI: 422, they are not "off"); an engine failure is TGI's 424 "generation", which
     huggingface_hub raises as GenerationError, where OpenAI's routes answer 500."""
     from autotp.serve import tgi_api
-    from autotp.serve.boundary import ApiError
-    from autotp.serve.http import engine_error
+    from autotp.serve.boundary import ApiError, engine_error
 
     failed = engine_error(500, "generation failed: RuntimeError: boom")
     assert tgi_api.status(failed) == 424 and tgi_api.error_body(failed)["error_type"] == "generation"
@@ -265,8 +264,9 @@ def test_tgi_refuses_what_tgi_refuses_and_names_a_failed_generation_424():
     assert tgi_api.status(ApiError(500, "a bug", type="server_error")) == 500
 
 
-@pytest.mark.parametrize("parameters, message", [({"top_p": 0.0, "do_sample": True}, "top_p must be > 0.0"),
-                                                 ({"top_k": 0}, "top_k must be strictly positive")])
+@pytest.mark.parametrize("parameters, message", [
+    ({"top_p": 0.0, "do_sample": True}, "parameters.top_p must be in (0, 1]"),
+    ({"top_k": 0}, "top_k must be strictly positive")])
 def test_tgi_parameters_tgi_refuses_get_422(server, parameters, message):
     code, out = server.post({"inputs": PROMPT, "parameters": {"max_new_tokens": 2, **parameters}}, "/generate")
     assert code == 422 and out["error_type"] == "validation" and message in out["error"], out

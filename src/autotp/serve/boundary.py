@@ -49,6 +49,14 @@ def invalid(param: str | None, message: str) -> ApiError:
     return ApiError(400, message, param=param)
 
 
+GENERATION_FAILED = "generation_failed"  # the code of an engine's 500 (TGI answers it 424)
+
+
+def engine_error(status: int, message: str) -> ApiError:
+    """A row the engine failed: 500 is a failed generation, 503 the server going away."""
+    return ApiError(status, message, type="server_error", code=GENERATION_FAILED if status == 500 else None)
+
+
 @dataclass(frozen=True)
 class Served:
     """What the boundary checks against: the model's name, its tokenizer, the context it may use and the

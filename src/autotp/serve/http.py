@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from autotp.serve import openai_api, tgi_api
-from autotp.serve.boundary import ApiError, Parsed, Served, clip
+from autotp.serve.boundary import ApiError, Parsed, Served, clip, engine_error
 from autotp.serve.engine import Engine, Job
 from autotp.serve.guard import Guard, ReadTimeoutH11, closing_response, read_body
 from autotp.serve.metrics import CONTENT_TYPE, Metrics
@@ -213,11 +213,6 @@ async def _collect(request: Request, call: Call) -> None:
         watcher.cancel()
         if len(call.results) < len(call.jobs):
             call.cancel_unfinished()
-
-
-def engine_error(status: int, message: str) -> ApiError:
-    """A row the engine failed: 500 is a failed generation (TGI: 424), 503 the server going away."""
-    return ApiError(status, message, type="server_error", code="generation_failed" if status == 500 else None)
 
 
 async def _stream(call: Call):

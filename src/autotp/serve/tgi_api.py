@@ -17,6 +17,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict
 
 from autotp.serve.boundary import (
+    GENERATION_FAILED,
     MAX_LOGPROBS,
     MAX_STOP,
     ApiError,
@@ -91,16 +92,14 @@ def _parse(raw: bytes, served: Served, stream: bool | None) -> Parsed:
     _neutral(p)
     if p.temperature is not None and p.temperature <= 0:
         raise invalid("parameters.temperature", f"temperature must be strictly positive, got {p.temperature}")
-    if p.top_p is not None and p.top_p <= 0:  # TGI's rule; 1.0 (TGI refuses it) is taken as "no top-p"
-        raise invalid("parameters.top_p", f"top_p must be > 0.0 and <= 1.0, got {p.top_p}")
-    if p.top_k is not None and p.top_k <= 0:
+    if p.top_k is not None and p.top_k <= 0:  # TGI's rule, where autotp's (and vLLM's) takes 0 as "off"
         raise invalid("parameters.top_k", f"top_k must be strictly positive, got {p.top_k}")
     sampled = bool(p.do_sample) or (p.temperature not in (None, 1.0)) or bool(p.top_k) or (p.top_p not in (None, 1.0))
     names = {"max_tokens": "max_new_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
              "seed": "seed"}
     names = {k: f"parameters.{v}" for k, v in names.items()}
-    checked = sampling(served, temperature=(p.temperature or 1.0) if sampled else 0.0, top_p=p.top_p or 1.0,
-                       top_k=p.top_k or 0, seed=p.seed,
+    checked = sampling(served, temperature=(p.temperature or 1.0) if sampled else 0.0,
+                       top_p=1.0 if p.top_p is None else p.top_p, top_k=p.top_k or 0, seed=p.seed,
                        max_tokens=DEFAULT_NEW_TOKENS if p.max_new_tokens is None else p.max_new_tokens, names=names)
     if p.top_n_tokens is not None and not 0 <= p.top_n_tokens <= MAX_LOGPROBS:
         raise invalid("parameters.top_n_tokens", f"top_n_tokens must be between 0 and {MAX_LOGPROBS}, "
@@ -227,7 +226,7 @@ ERROR_TYPES = {422: "validation", 429: "overloaded", 424: "generation", 503: "un
 def status(error: ApiError) -> int:
     """TGI answers a request it cannot take with 422 where OpenAI answers 400, and a generation that failed
     with 424 (huggingface_hub's GenerationError) where OpenAI answers 500."""
-    if error.status == 500 and error.code == "generation_failed":
+    if error.status == 500 and error.code == GENERATION_FAILED:
         return 424
     return 422 if error.status == 400 else error.status
 
