@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from autotp.serve.engine import Engine, Job, StopFlag, follow
+from autotp.serve.engine import Engine, Job, StopFlag, backend, follow
+from autotp.serve.paged import probe
 from autotp.serve.scheduler import Limits
 from autotp.serve.text import TextStream
 from autotp.serve.types import Row
@@ -60,8 +61,11 @@ def drive(engine: Engine, arrivals: dict[int, list[Job]], max_steps: int = 10_00
 ROOMY = Limits(16, 2048, 100_000)
 
 
-def engine_for(model, tokenizer, limits: Limits = ROOMY, max_queue: int = 256) -> Engine:
-    return Engine(model, tokenizer, Channel(), StopFlag(), limits, max_queue)
+def engine_for(model, tokenizer, limits: Limits = ROOMY, max_queue: int = 256, paged: bool = True,
+               caching: bool = True, block_size: int = 4) -> Engine:
+    """tp 1: the engine `autotp serve` picks for this model (paged wherever it can), or the padded one."""
+    batch, planner = backend(model, probe(model)[0] if paged else None, limits, block_size, caching)
+    return Engine(batch, tokenizer, Channel(), StopFlag(), limits, max_queue, planner=planner)
 
 
 def run_on_ranks(model, tokenizer, make_arrivals, limits: Limits = ROOMY) -> list | None:
@@ -71,10 +75,12 @@ def run_on_ranks(model, tokenizer, make_arrivals, limits: Limits = ROOMY) -> lis
 
     channel = Channel()
     try:
+        shapes = probe(model)[0]
+        batch, planner = backend(model, shapes, limits, 4, rank0=dist.get_rank() == 0)
         if dist.get_rank() != 0:
-            assert follow(model, channel, StopFlag()) == 0
+            assert follow(batch, channel, StopFlag()) == 0
             return None
-        engine = Engine(model, tokenizer, channel, StopFlag(), limits, 256)
+        engine = Engine(batch, tokenizer, channel, StopFlag(), limits, 256, planner=planner)
         arrivals = make_arrivals()
         with torch.inference_mode():
             drive(engine, arrivals)
@@ -117,7 +123,7 @@ def failing_alike(model_dir: str, tokenizer_dir: str) -> list | None:
     armed = {"on": True}
 
     def raise_once(module, args, kwargs):
-        if armed["on"] and kwargs["input_ids"].shape == (2, 1):
+        if armed["on"] and kwargs["input_ids"].shape == (1, 2):  # the paged engine's two-row decode
             armed["on"] = False
             raise RuntimeError(f"out of memory on GPU {dist.get_rank()}")
 
@@ -168,7 +174,8 @@ def dist_module():
 
 
 def step_collectives(model_dir: str, tokenizer_dir: str) -> dict | None:
-    """A pool task: the collectives of one bare decode forward, and of each engine step by what it ran."""
+    """A pool task: the collectives of one bare decode forward, and of each engine step with the rows'
+    work it ran (wire.Step.work)."""
     from transformers import AutoTokenizer, DynamicCache
 
     import autotp
@@ -182,22 +189,26 @@ def step_collectives(model_dir: str, tokenizer_dir: str) -> dict | None:
             model(torch.tensor([[5], [6]]), cache=cache)
         forward = counter.take()
     channel = Channel()
+    batch, planner = backend(model, probe(model)[0], ROOMY, 4, rank0=dist_module().get_rank() == 0)
     if dist_module().get_rank() != 0:
-        assert follow(model, channel, StopFlag()) == 0
+        assert follow(batch, channel, StopFlag()) == 0
         channel.close()
         return None
-    engine = Engine(model, tokenizer, channel, StopFlag(), ROOMY, 256)
+    engine = Engine(batch, tokenizer, channel, StopFlag(), ROOMY, 256, planner=planner)
     sent: list[Step] = []
     send = channel.send
     channel.send = lambda step: (sent.append(step), send(step))[-1]
-    jobs = [job([1, 2, 3], 12, index=0), job([4, 5], 12, index=1)]
+    jobs = [job([1, 2, 3], 12, index=0), job([4, 5], 12, index=1), job([6, 7, 8, 9], 6, index=2)]
     steps = []
     with torch.inference_mode(), CollectiveCounter() as counter:
-        for j in jobs:
+        for i, j in enumerate(jobs):
+            if i == 2:  # arrives while the first two decode: its step prefills and decodes
+                engine.step()
+                steps.append((sent[-1].work, counter.take()))
             engine.submit([j])
         while any(j.emit.ended is None for j in jobs):
             engine.step()
-            steps.append((bool(sent[-1].chunk), bool(sent[-1].tokens), counter.take()))
+            steps.append((sent[-1].work, counter.take()))
     channel.send(Step(stop=True))
     channel.close()
     return {"forward": forward, "steps": steps}

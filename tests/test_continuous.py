@@ -118,11 +118,12 @@ def test_a_seeded_row_joining_a_busy_batch_midway_gets_its_text_alone(tokenizer)
     assert len(lone.emit.ended[2].tokens) == 20
 
 
-def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode(tokenizer):
-    """Every step stays within max_num_batched_tokens and every running row gets a token in every step."""
+def test_padded_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode(tokenizer):
+    """The padded engine (BLOOM, Falcon, MPT): every step stays within max_num_batched_tokens and every running
+    row gets a token in every step."""
     model = build("llama")
     limits = Limits(max_num_seqs=4, max_num_batched_tokens=8, kv_tokens=10_000)
-    engine = engine_for(model, tokenizer, limits)
+    engine = engine_for(model, tokenizer, limits, paged=False)
     sent = []
     send = engine.channel.send
     engine.channel.send = lambda step: (sent.append(step), send(step))[-1]
@@ -141,10 +142,10 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode(tokenizer)
     assert tokens_of(long.emit.ended) == generate(model, x, max_new_tokens=4)[0, 45:].tolist()
 
 
-def test_the_kv_budget_is_never_exceeded_and_admission_waits_for_room(tokenizer):
+def test_padded_the_kv_budget_is_never_exceeded_and_admission_waits_for_room(tokenizer):
     model = build("llama")
     limits = Limits(max_num_seqs=8, max_num_batched_tokens=64, kv_tokens=90)
-    engine = engine_for(model, tokenizer, limits)
+    engine = engine_for(model, tokenizer, limits, paged=False)
     used, together = [], []
 
     def look(step, e):
@@ -162,9 +163,10 @@ def test_the_kv_budget_is_never_exceeded_and_admission_waits_for_room(tokenizer)
         assert tokens_of(j.emit.ended) == generate(model, torch.tensor([j.row.ids]), max_new_tokens=20)[0, 10:].tolist()
 
 
-def test_a_cancelled_row_leaves_at_the_next_step_and_frees_its_memory(tokenizer):
+@pytest.mark.parametrize("paged", [True, False])
+def test_a_cancelled_row_leaves_at_the_next_step_and_frees_its_memory(tokenizer, paged):
     model = build("llama")
-    engine = engine_for(model, tokenizer)
+    engine = engine_for(model, tokenizer, paged=paged)
     jobs = [job([5, 6, 7], 30, index=i) for i in range(3)]
     rows = []
 
@@ -199,23 +201,26 @@ def test_admission_by_hand():
     assert chunk_size(1, 30, 3, roomy) == 13 and chunk_size(2, 5, 0, roomy) == 5
 
 
-def test_a_decode_step_costs_the_forward_and_one_broadcast(pools, saved, tokenizer):
-    """Per step the ranks pay the model's own collectives and one broadcast of the step, nothing more:
-    no input-guard all-reduce (rank 0 sends the inputs), no cancellation flags, no outcome gather."""
+def test_every_step_costs_one_forward_and_one_broadcast(pools, saved, tokenizer):
+    """Per step the ranks pay the model's own collectives once and one broadcast of the step, nothing more:
+    a step that prefills a new prompt while the others decode runs them in the same forward; no input-guard
+    all-reduce (rank 0 sends the inputs), no cancellation flags, no outcome gather."""
     from engine_driver import step_collectives
 
     out = pools(2).run(step_collectives, saved("gpt_bigcode_mqa12"), tokenizer.name_or_path)[0]
     forward = out["forward"]
     assert forward == {"all_reduce": 2 * 2 + 1, "all_gather_single": 1}  # 2 layers x 2, the embedding; logits
-    decode_only = [counts for prefill, decode, counts in out["steps"] if decode and not prefill]
-    assert len(decode_only) >= 10
-    for counts in decode_only:
-        assert counts == forward | {"broadcast": 1}, counts
+    ran = [(work, counts) for work, counts in out["steps"] if work]
+    mixed = [counts for work, counts in ran if {len(w[1]) > 1 for w in work} == {True, False}]
+    assert len(ran) >= 12 and len(mixed) == 1  # the third prompt's prefill beside two decoding rows
+    for work, counts in ran:
+        assert counts == forward | {"broadcast": 1}, (work, counts)
 
 
-def test_a_prompt_cancelled_while_its_chunks_run_leaves_and_the_others_go_on(tokenizer):
+def test_padded_a_prompt_cancelled_while_its_chunks_run_leaves_and_the_others_go_on(tokenizer):
     model = build("llama")
-    engine = engine_for(model, tokenizer, Limits(max_num_seqs=4, max_num_batched_tokens=8, kv_tokens=10_000))
+    engine = engine_for(model, tokenizer, Limits(max_num_seqs=4, max_num_batched_tokens=8, kv_tokens=10_000),
+                        paged=False)
     g = torch.Generator().manual_seed(3)
     short = job(torch.randint(0, 101, (4,), generator=g).tolist(), 20, index=0)
     long = job(torch.randint(0, 101, (45,), generator=g).tolist(), 4, index=1)
@@ -233,14 +238,16 @@ def test_a_prompt_cancelled_while_its_chunks_run_leaves_and_the_others_go_on(tok
     assert tokens_of(short.emit.ended) == generate(model, x, max_new_tokens=20)[0, 4:].tolist()
 
 
-def test_a_forward_that_raises_fails_its_rows_with_500_and_the_engine_goes_on(tokenizer):
+@pytest.mark.parametrize("paged", [True, False])
+def test_a_forward_that_raises_fails_its_rows_with_500_and_the_engine_goes_on(tokenizer, paged):
     """The same error on every rank (here: the one rank) fails the rows of that forward; later rows run."""
     model = build("llama")
-    engine = engine_for(model, tokenizer)
+    engine = engine_for(model, tokenizer, paged=paged)
     boom = {"armed": True}
+    two_row_decode = (1, 2) if paged else (2, 1)  # paged: the rows' tokens flattened into one input
 
     def raise_once(module, args, kwargs):
-        if boom["armed"] and kwargs["input_ids"].shape == (2, 1):  # the two-row decode forward
+        if boom["armed"] and kwargs["input_ids"].shape == two_row_decode:
             boom["armed"] = False
             raise RuntimeError("injected failure")
 
@@ -273,27 +280,27 @@ def forwards_of(model, new: Job, fail_decode_after_its_prefill: bool = False) ->
     return seen
 
 
-def test_a_new_rows_first_token_is_out_before_the_running_rows_decode(tokenizer):
-    """A step that completes a prefill and decodes the running rows samples the new rows between its two
-    forwards: their first token streams while the decode runs, not after it."""
+def test_padded_a_new_rows_first_token_is_out_before_the_running_rows_decode(tokenizer):
+    """The padded engine: a step that completes a prefill and decodes the running rows samples the new rows
+    between its two forwards: their first token streams while the decode runs, not after it."""
     model = build("llama")
     running, new = job([5, 6, 7], 10, index=0), job([8, 9, 10, 11], 5, stream=True, index=1)
     expected = generate(model, torch.tensor([new.row.ids]), max_new_tokens=5)[0, 4:].tolist()
     seen = forwards_of(model, new)
-    drive(engine_for(model, tokenizer), {0: [running], 3: [new]})
+    drive(engine_for(model, tokenizer, paged=False), {0: [running], 3: [new]})
     at = [s for s, _ in seen].index((1, 4))
     assert seen[at + 1] == ((1, 1), 1), seen  # the running row's decode, the new row's token already out
     assert tokens_of(new.emit.ended) == expected
 
 
-def test_a_decode_that_raises_after_a_prefill_fails_only_the_running_rows(tokenizer):
-    """The decode forward fails in the step that completed a prefill: the running rows get 500, the
+def test_padded_a_decode_that_raises_after_a_prefill_fails_only_the_running_rows(tokenizer):
+    """The padded engine: the decode forward fails in the step that completed a prefill: the running rows get 500, the
     prefilled row has its first token and goes on to its text alone."""
     model = build("llama")
     running, new = job([5, 6, 7], 10, index=0), job([8, 9, 10, 11], 5, stream=True, index=1)
     expected = generate(model, torch.tensor([new.row.ids]), max_new_tokens=5)[0, 4:].tolist()
     forwards_of(model, new, fail_decode_after_its_prefill=True)
-    drive(engine_for(model, tokenizer), {0: [running], 3: [new]})
+    drive(engine_for(model, tokenizer, paged=False), {0: [running], 3: [new]})
     assert running.emit.ended[2] == (500, "generation failed: RuntimeError: injected failure")
     assert tokens_of(new.emit.ended) == expected
 
@@ -315,7 +322,7 @@ def test_ranks_that_fail_alike_with_their_own_messages_fail_the_rows_and_go_on(p
 def test_rank_0s_failure_on_one_rows_log_probabilities_fails_that_row_only(tokenizer, monkeypatch):
     """Sampling and log-probabilities run on rank 0 alone, after the forward: what they raise (an allocation
     for a long prompt's scores) fails the rows that asked for them with 500; the others and the engine go on."""
-    import autotp.serve.engine as engine_module
+    import autotp.serve.output as output_module
 
     model = build("llama")
     plain, asks = job([5, 6, 7], 10, index=0), job([8, 9], 10, index=1, logprobs=2)
@@ -325,7 +332,7 @@ def test_rank_0s_failure_on_one_rows_log_probabilities_fails_that_row_only(token
     def out_of_memory(*args):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
 
-    monkeypatch.setattr(engine_module, "token_logprobs", out_of_memory)
+    monkeypatch.setattr(output_module, "token_logprobs", out_of_memory)
     drive(engine_for(model, tokenizer), {0: [plain, asks], 3: [echo], 6: [later]})
     expected = "generation failed: OutOfMemoryError: CUDA out of memory. Tried to allocate 1.00 GiB"
     assert asks.emit.ended == ("error", 1, (500, expected)) and echo.emit.ended == ("error", 2, (500, expected))

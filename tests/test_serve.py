@@ -205,9 +205,9 @@ def test_a_row_whose_scores_are_not_finite_fails_alone(model_dir):
 
     def run(poison: bool) -> list:
         jobs = [job(ids, 6, t, seed=5, index=i) for i, t in enumerate((0.0, 1.0, 1.0))]
-        # the third row of a 3-row forward: its scores become NaN
+        # the third row of a 3-row forward (the paged engine's scores: (1, rows, vocab)): its scores become NaN
         hook = model.lm_head.register_forward_hook(
-            lambda m, i, out: out.index_fill(0, torch.tensor([2]), float("nan")) if out.shape[0] == 3 else out)
+            lambda m, i, out: out.index_fill(1, torch.tensor([2]), float("nan")) if out.shape[1] == 3 else out)
         if not poison:
             hook.remove()
         try:
@@ -411,7 +411,10 @@ def test_a_dead_rank_gets_503_and_the_server_exits(model_dir, tmp_path):
     (["--port", "BUSY"], "cannot listen on 127.0.0.1:"),
     (["--max-num-seqs", "32", "--max-num-batched-tokens", "16"],
      "--max-num-batched-tokens 16 is less than --max-num-seqs 32"),
-    (["--kv-cache-memory", "300B"], "--kv-cache-memory 300 bytes holds 1 cached tokens at 256 bytes each"),
+    (["--kv-cache-memory", "300B"], "--kv-cache-memory 300 bytes holds 1 cached tokens at 256 bytes each: a "
+                                    "request needs at least 2"),
+    (["--kv-cache-memory", "3000B"], "--kv-cache-memory 3000 bytes holds 11 cached tokens at 256 bytes each: the "
+                                     "paged cache needs at least one block of 16 (--block-size)"),
 ])
 def test_startup_errors_are_one_line(model_dir, args, message):
     with socket.create_server(("127.0.0.1", 0)) as busy:

@@ -36,8 +36,9 @@ def server(model_dir, tmp_path_factory):
 
 
 def test_the_budgets_are_announced(server):
-    assert re.search(r"KV cache: 96 tokens per rank \(24\.0 KiB at 256 bytes per token\), less than the context "
-                     r"of 128: longer requests are refused", server.text()), server.text()[-2000:]
+    assert re.search(r"KV cache: 96 tokens per rank \(24\.0 KiB at 256 bytes per token; 6 blocks of 16, prefix "
+                     r"caching on\), less than the context of 128: longer requests are refused", server.text()), \
+        server.text()[-2000:]
 
 
 def test_a_request_that_could_never_fit_the_cache_is_400_at_once(server):

@@ -182,7 +182,8 @@ def cmd_serve(args) -> int:
                         dtype=args.dtype,
                         device=args.device, quantize=args.quantize, group_size=args.group_size,
                         max_body_bytes=args.max_body_bytes, read_timeout=args.read_timeout,
-                        allowed_hosts=args.allowed_hosts, api_key=key)
+                        allowed_hosts=args.allowed_hosts, api_key=key, block_size=args.block_size,
+                        prefix_caching=args.prefix_caching)
     return serve(args.model or default_model(), model_id=args.model or DEMO_ID, opts=opts)
 
 
@@ -257,6 +258,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="KV cache per rank, e.g. 4GiB (default: 90%% of the GPU memory free after loading, "
                           "or half the host's available memory shared by its ranks; at most what --max-num-seqs "
                           "full-context sequences need)")
+    srv.add_argument("--block-size", type=positive_int, default=16,
+                     help="tokens per KV cache block, the unit of prefix caching (default 16)")
+    srv.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                     help="compute every prompt in full instead of reusing the cached blocks of an earlier "
+                          "prompt's prefix")
     srv.add_argument("--max-queue", type=positive_int, default=256,
                      help="prompts waiting for room; past it requests get 429 (default 256)")
     srv.add_argument("--max-model-len", type=positive_int, help="prompt + completion tokens per request "

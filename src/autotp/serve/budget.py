@@ -54,8 +54,10 @@ def kv_tokens(per_token: int, budget: int | None, free: int, max_num_seqs: int, 
     return tokens if max_model_len is None else min(tokens, max_num_seqs * max_model_len)
 
 
-def check_fits(tokens: int, per_token: int, budget: int | None) -> None:
-    if tokens < 2:
+def check_fits(tokens: int, per_token: int, budget: int | None, block_size: int | None) -> None:
+    """tokens: what the budget holds, before rounding down to whole blocks (block_size None: the padded cache)."""
+    if tokens < max(2, block_size or 0):
         where = f"--kv-cache-memory {budget} bytes" if budget is not None else "the memory left after loading"
-        raise AutotpError(f"{where} holds {tokens} cached tokens at {per_token} bytes each: a request needs at "
-                          f"least 2 (a prompt token and a generated one)")
+        why = ("a request needs at least 2 (a prompt token and a generated one)" if tokens < 2 or block_size is None
+               else f"the paged cache needs at least one block of {block_size} (--block-size)")
+        raise AutotpError(f"{where} holds {tokens} cached tokens at {per_token} bytes each: {why}")

@@ -3,47 +3,48 @@
 Each step rank 0 (the main thread of `autotp serve`):
 1. takes new jobs from the HTTP thread into the waiting queue (bounded: past `max_queue`, `submit` says
    "full" and the client gets 429);
-2. plans the step (scheduler.py): rows that leave (finished, failed, cancelled by a client that went
-   away), the running rows' next tokens, a new prefill group when there is room, the prefill chunk;
-3. sends it (wire.py: one broadcast) and runs it on its own `Batch` as every rank does (state.py);
-4. samples the rows whose logits came back (sampler.py, each row with its own seeded generator),
-   streams their text, and marks the rows that finished, which leave at the next step.
+2. plans the step: rows that leave (finished, failed, cancelled by a client that went away), and what each
+   row computes. The paged engine (planner.py, runner.py): one forward over every row's new tokens, prompts
+   starting from their longest cached prefix. The padded engine, for models whose attention does not reach
+   transformers' AttentionInterface (scheduler.py, state.py): a prefill forward and a decode forward;
+3. sends it (wire.py: one broadcast) and runs it on its own batch as every rank does;
+4. hands the scores to output.py, which samples, streams and answers the rows.
 
-So a request never waits for another one to finish: it joins at the next step that has room, and its
-first token comes out of its own prefill. The ranks never decide anything: they apply rank 0's steps.
-A forward that raises on every rank alike (the same error text) fails the rows it ran with 500 and the
-server goes on; any disagreement, a failed collective or a dead rank ends lockstep: rank 0 answers
-every job 503 and returns 1. Nothing here knows HTTP; jobs carry an `emit` callback.
+So a request never waits for another one to finish: it joins at the next step that has room. The ranks
+never decide anything: they apply rank 0's steps. A forward that raises on every rank alike (the same
+exception type) fails the rows it ran with 500 and the server goes on; any disagreement, a failed
+collective or a dead rank ends lockstep: rank 0 answers every job 503 and returns 1. Nothing here knows
+HTTP; jobs carry an `emit` callback.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import queue
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
-import torch
+from itertools import islice
 
 from autotp.generate import pad_token_id
-from autotp.sampler import RowSampler, SampleError, SamplingParams
+from autotp.sampler import RowSampler, SamplingParams
+from autotp.serve.blocks import BlockPool
 from autotp.serve.metrics import Metrics
-from autotp.serve.scheduler import Limits, Need, admit, chunk_size
-from autotp.serve.state import Batch, Logits
-from autotp.serve.text import TextStream, cut_at_stop, decode, first_stop
-from autotp.serve.types import Piece, Result, Row, TokenLogprob, log
+from autotp.serve.output import Active, Output, describe, eos_ids
+from autotp.serve.paged import KvPool
+from autotp.serve.planner import PagedPlanner
+from autotp.serve.runner import PagedBatch
+from autotp.serve.scheduler import Limits, Need, plan_padded
+from autotp.serve.state import Batch
+from autotp.serve.text import TextStream
+from autotp.serve.types import Row, log
 from autotp.serve.wire import Channel, Step
 
 HEARTBEAT_S = 0.5  # an idle rank 0 sends an empty step this often, so a dead rank shows within seconds
 GRACE_S = 5  # a signalled worker waits this long for rank 0's "stop" before leaving on its own
-
-
-def describe(e: BaseException) -> str:
-    """An exception as one line, the same on every rank for the same failure."""
-    return f"{type(e).__name__}: {e}".splitlines()[0][:200]
 
 
 def kind(description: str) -> str:
@@ -86,56 +87,51 @@ class Job:
         self.emit(("error", self.index, (status, message)))
 
 
-@dataclass
-class Active:
-    """A job admitted to the batch: its sampler, the tokens generated so far, the token it feeds next."""
-
-    job: Job
-    sampler: RowSampler
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=lambda: [None])  # the first has none
-    next: int | None = None
-    done: bool = False  # finished, failed or answered: leaves at the next step
-    last: float | None = None  # when its last token came out (metrics)
-
-    def fail(self, status: int, message: str) -> None:
-        """Answer the job with an error; the row leaves at the next step."""
-        self.done = True
-        self.job.fail(status, message)
-
-    def need(self) -> Need:
-        row = self.job.row
-        return Need(len(row.ids) + len(self.tokens), row.max_tokens - len(self.tokens))
-
-
-def eos_ids(model) -> set[int]:
-    eos = model.generation_config.eos_token_id
-    return set(eos) if isinstance(eos, list) else {eos} if eos is not None else set()
+def backend(model, shapes, limits: Limits, block_size: int = 16, caching: bool = True,
+            rank0: bool = True) -> tuple[PagedBatch | Batch, PagedPlanner | None]:
+    """This rank's batch and, on rank 0 of the paged engine, its planner. shapes: paged.probe's (None: the
+    model's attention does not reach the pool, and the padded engine serves it); the pool holds
+    limits.kv_tokens // block_size blocks."""
+    if shapes is None:
+        return Batch(model, pad_token_id(model.generation_config)), None
+    blocks = limits.kv_tokens // block_size
+    batch = PagedBatch(model, KvPool(shapes, blocks, block_size, model.device))
+    return batch, PagedPlanner(BlockPool(blocks, block_size, caching), limits) if rank0 else None
 
 
 class Engine:
-    """Rank 0's scheduler: `submit` from any thread, `run` in the main thread until `stopping` is set."""
+    """Rank 0's scheduler: `submit` from any thread, `run` in the main thread until `stopping` is set.
 
-    def __init__(self, model, tokenizer, channel: Channel, stopping: StopFlag, limits: Limits, max_queue: int,
-                 metrics: Metrics | None = None):
-        self.batch = Batch(model, pad_token_id(model.generation_config))
+    batch: this rank's rows (runner.PagedBatch, or state.Batch for the padded engine); planner: the paged
+    engine's block accounting (None: the padded engine)."""
+
+    def __init__(self, batch, tokenizer, channel: Channel, stopping: StopFlag, limits: Limits, max_queue: int,
+                 metrics: Metrics | None = None, planner: PagedPlanner | None = None):
+        self.batch, self.planner = batch, planner
+        self.channel, self.stopping, self.limits, self.max_queue = channel, stopping, limits, max_queue
+        self.active: dict[int, Active] = {}
         # a copy of its own: the parser thread encodes with the original, and HF fast tokenizers are not
         # meant to be used from two threads at once
-        self.tokenizer = copy.deepcopy(tokenizer)
-        self.channel, self.stopping, self.limits, self.max_queue = channel, stopping, limits, max_queue
+        self.output = Output(copy.deepcopy(tokenizer), eos_ids(batch.model), self.active)
         self.metrics = metrics
-        self.eos = eos_ids(model)
-        self.special = set(tokenizer.all_special_ids)
         self.inbox: queue.Queue[Job] = queue.Queue()
         self.waiting: deque[Job] = deque()
-        self.active: dict[int, Active] = {}
         self.next_id = 0
         self.queued = 0  # jobs in inbox + waiting, under `lock`
         self.lock = threading.Lock()  # makes "accepting" and "queued" one step, so no job is lost at shutdown
         self.accepting = True
         self.error = ""  # how this rank's last step failed, sent with the next step
         self.failed: list[tuple[Job, str]] = []  # answered 500 once the next step reached every rank
+
+    @property
+    def metrics(self) -> Metrics | None:
+        return self.output.metrics
+
+    @metrics.setter
+    def metrics(self, metrics: Metrics | None) -> None:
+        self.output.metrics = metrics
+        if self.planner is not None:
+            self.planner.metrics = metrics
 
     def submit(self, jobs: list[Job]) -> str:
         """Queue a request's jobs together: "ok", "full" (the queue holds max_queue jobs) or "closed"."""
@@ -156,7 +152,10 @@ class Engine:
             return sum(not a.done for a in list(self.active.values())), self.queued
 
     def kv_used(self) -> int:
-        """Cache slots the rows hold now (the padded batch's rows x width, and the prefill's); any thread."""
+        """Cache slots the rows hold now; any thread. Paged: the blocks rows hold (idle cached blocks are
+        free room); padded: the padded batch's rows x width, and the prefill's."""
+        if self.planner is not None:
+            return self.planner.kv_used()
         running, prefill = self.batch.running, self.batch.prefill
         used = running.mask.numel() if running is not None else 0
         return used + (prefill.batch.mask.numel() if prefill is not None else 0)
@@ -201,19 +200,26 @@ class Engine:
         self.batch.apply(step)
         for row in step.drop:
             del self.active[row]
-        if not (step.chunk or step.tokens):
+        if not step.runs:
             return
         try:
-            logits = self.batch.run(step, prefilled=self._sample_prefill)
+            scores = self.batch.run(step, prefilled=self.output.take)
         except Exception as e:  # noqa: BLE001 - the next step tells every rank; they must have failed alike
             self.error = describe(e)
             lost = set(self.active) - set(self.batch.rows())
             log(f"a step of {len(lost)} rows failed; they get 500 and the server goes on: {self.error}")
             for row in lost:
                 self.failed.append((self.active.pop(row).job, f"generation failed: {self.error}"))
-            logits = None
-        if logits is not None and logits.decode is not None:
-            self._sample_or_fail(logits.decode_rows, lambda: self._sample_rows(logits.decode_rows, logits.decode))
+                if self.planner is not None:
+                    self.planner.release(row)
+            return
+        if self.planner is not None:
+            self.planner.ran(step, {w[0]: self._tokens(w[0]) for w in step.work})
+        self.output.take(scores)
+
+    def _tokens(self, row: int) -> list[int]:
+        a = self.active[row]
+        return [*a.job.row.ids, *a.tokens]
 
     def _unqueue(self, job: Job) -> Job:
         with self.lock:
@@ -237,6 +243,15 @@ class Engine:
             job.fail(500, message)
         self.failed.clear()
 
+    def _admit(self) -> int:
+        """The head of the queue joins the batch; returns its row id."""
+        job = self._unqueue(self.waiting.popleft())
+        row = job.row
+        params = SamplingParams(row.temperature, row.top_p, row.top_k, row.seed)
+        self.active[self.next_id] = Active(job, RowSampler(params, self.batch.device))
+        self.next_id += 1
+        return self.next_id - 1
+
     def _plan(self) -> Step:
         for a in self.active.values():
             if a.job.cancelled and not a.done:
@@ -244,151 +259,26 @@ class Engine:
                 log(f"{a.job.request} prompt {a.job.index} cancelled after {len(a.tokens)} of {a.job.row.max_tokens} "
                     f"tokens: the client went away")
         drop = tuple(r for r, a in self.active.items() if a.done)
-        order = self.batch.order_after(drop)
-        tokens = tuple(self.active[r].next for r in order)
         error, self.error = self.error, ""
-        group = self.batch.prefill
-        group_rows = [r for r in group.rows if r not in drop] if group is not None and not group.complete else []
-        if group_rows:  # the prefill in progress goes on
-            left = group.ids.shape[1] - group.done
-            return Step(drop, tokens, chunk=chunk_size(len(group_rows), left, len(order), self.limits), error=error)
-        if not self.waiting or self.stopping.is_set():
-            return Step(drop, tokens, error=error)
-        head = [j for _, j in zip(range(self.limits.max_num_seqs), self.waiting, strict=False)]
-        count = admit([Need(len(j.row.ids), j.row.max_tokens) for j in head],
-                      [self.active[r].need() for r in order], self.limits)
-        admitted = []
-        for _ in range(count):
-            job = self._unqueue(self.waiting.popleft())
-            row = job.row
-            params = SamplingParams(row.temperature, row.top_p, row.top_k, row.seed)
-            self.active[self.next_id] = Active(job, RowSampler(params, self.batch.device))
-            admitted.append((self.next_id, row.ids))
-            self.next_id += 1
-        if not admitted:
-            return Step(drop, tokens, error=error)
-        width = max(len(ids) for _, ids in admitted)
-        all_logits = any(self.active[r].job.row.prompt_logprobs for r, _ in admitted)
-        return Step(drop, tokens, tuple(admitted), chunk_size(len(admitted), width, len(order), self.limits),
-                    all_logits=all_logits, error=error)
-
-    def _sample_prefill(self, logits: Logits) -> None:
-        """Between the step's two forwards: a prompt that is now complete streams its first token while
-        the running rows decode (their forward releases the GIL to the event loop that sends it)."""
-
-        if self.batch.prefill is not None and self.batch.prefill.all_logits:
-            asked = [r for r in logits.prefill_rows if self.active[r].job.row.prompt_logprobs]
-            self._sample_or_fail(asked, lambda: self._prompt_logprobs(logits))
-        if logits.first:
-            self._sample_or_fail(logits.prefill_rows, lambda: self._sample_rows(logits.prefill_rows,
-                                                                                  logits.prefill[:, -1]))
-
-    def _sample_or_fail(self, rows: list[int], work) -> None:
-        """Rank 0's own work on a forward's scores (sampling, log-probabilities: an allocation that fails, a
-        bug): what it raises fails `rows` with 500 and nothing else. The ranks ran the same forwards, so they
-        stay in lockstep, and the failed rows leave at the next step."""
-        try:
-            work()
-        except Exception as e:  # noqa: BLE001 - one request must not take the server down
-            log(f"rank 0's work on the scores of {len(rows)} rows failed; they get 500 and the server goes on: "
-                f"{describe(e)}")
-            for row in rows:
-                a = self.active.get(row)
-                if a is not None and not a.done:
-                    a.fail(500, f"generation failed: {describe(e)}")
-
-    def _sample_rows(self, rows: list[int], scores: torch.Tensor) -> None:
-        """scores (rows, vocab): each row's next token, then its log-probabilities where it asked for them."""
-        finite = torch.isfinite(scores.max(dim=-1).values).tolist()
-        greedy = scores.argmax(dim=-1).tolist()  # what RowSampler.pick gives a greedy row, for all at once
-        picked: dict[int, int] = {}
-        for i, row in enumerate(rows):
-            a = self.active[row]
-            if a.done:  # failed earlier in this step (its prompt's log-probabilities)
-                continue
-            try:
-                picked[i] = greedy[i] if finite[i] and a.sampler.generator is None else a.sampler.pick(scores[i])
-            except SampleError as e:
-                log(f"{a.job.request} prompt {a.job.index} failed: {e}")
-                a.fail(500, str(e))
-        want = [i for i in picked if self.active[rows[i]].job.row.logprobs is not None]
-        logprobs: dict[int, TokenLogprob] = {}
-
-        def compute() -> None:
-            tops = [self.active[rows[i]].job.row.logprobs for i in want]
-            logprobs.update(zip(want, token_logprobs(scores[want], [picked[i] for i in want], tops), strict=True))
-
-        self._sample_or_fail([rows[i] for i in want], compute)
-        for i, token in picked.items():
-            if not self.active[rows[i]].done:
-                self._advance(self.active[rows[i]], token, logprobs.get(i))
-
-    def _prompt_logprobs(self, logits: Logits) -> None:
-        """Each prompt token's log-probability given the ones before it, from this chunk's scores
-        (rows, end - start, vocab): column j predicts column j + 1 of the left-padded prompt."""
-        width = self.batch.prefill.ids.shape[1]
-        for i, row in enumerate(logits.prefill_rows):
-            a = self.active[row]
-            if not a.job.row.prompt_logprobs:
-                continue
-            ids, first = a.job.row.ids, width - len(a.job.row.ids)  # the row's tokens fill [first, width)
-            cols = range(max(logits.start, first), min(logits.end, width - 1))
-            if cols:
-                targets = [ids[j + 1 - first] for j in cols]
-                picked = logits.prefill[i, cols.start - logits.start:cols.stop - logits.start]
-                a.prompt_logprobs += token_logprobs(picked, targets, [a.job.row.logprobs or 0] * len(targets))
-
-    def _advance(self, a: Active, token: int, logprob: TokenLogprob | None) -> None:
-        """A row's new token: it finishes here (eos, stop string, budget) or feeds the next step."""
-        a.tokens.append(token)
-        if logprob is not None:
-            a.logprobs.append(logprob)
-        row, job = a.job.row, a.job
-        if self.metrics is not None:
-            a.last = self.metrics.token(job.arrived, a.last)
-        try:
-            watched = bool(row.stop) or job.stream is not None  # text needed at every token, not only the last
-            text = decode(self.tokenizer, a.tokens) if watched else ""
-            stopped_by = first_stop(text, row.stop) if row.stop else ""
-            if token in self.eos or stopped_by:
-                reason = "stop"
-            elif len(a.tokens) >= row.max_tokens:
-                reason = "length"
-            else:
-                a.next, reason = token, ""
-            if reason:
-                text = cut_at_stop(text if watched else decode(self.tokenizer, a.tokens), row.stop)[0]
-            if job.stream is not None:
-                delta = job.stream.delta(text, final=bool(reason))
-                job.emit(("token", job.index, Piece(token, delta, token in self.special, logprob)))
-            if reason:
-                a.done = True
-                if self.metrics is not None:
-                    self.metrics.finished(job.arrived, reason, len(row.ids), len(a.tokens))
-                job.emit(("done", job.index, Result(text, reason, len(a.tokens), tuple(a.tokens), tuple(a.logprobs),
-                                                    tuple(a.prompt_logprobs), stopped_by)))
-        except Exception as e:  # noqa: BLE001 - rank 0's decoding, between steps: this request only
-            log(f"{job.request} prompt {job.index} failed after generating: {describe(e)}")
-            a.fail(500, f"decoding the completion failed: {type(e).__name__}")
+        head = [] if self.stopping.is_set() else list(islice(self.waiting, self.limits.max_num_seqs))
+        if self.planner is not None:
+            rows = {r: (self._tokens(r), len(a.job.row.ids)) for r, a in self.active.items() if not a.done}
+            step = self.planner.plan(rows, drop, [(j.row.ids, j.row.max_tokens, j.row.prompt_logprobs) for j in head],
+                                     lambda _: self._admit())
+        else:
+            order = self.batch.order_after(drop)
+            needs = [Need(len(self.active[r].job.row.ids) + len(self.active[r].tokens),
+                          self.active[r].job.row.max_tokens - len(self.active[r].tokens)) for r in order]
+            step = plan_padded(self.batch, drop, [self.active[r].next for r in order], needs,
+                               [(j.row.ids, j.row.max_tokens, j.row.prompt_logprobs) for j in head], self.limits,
+                               lambda _: self._admit())
+        return dataclasses.replace(step, error=error)
 
 
-def token_logprobs(scores: torch.Tensor, tokens: list[int], tops: list[int]) -> list[TokenLogprob]:
-    """scores (n, vocab) and the token taken at each -> its log-probability and the tops[i] likeliest."""
-    if not tokens:
-        return []
-    lp = torch.log_softmax(scores.float(), dim=-1)
-    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
-    k = max(tops)
-    values, ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
-    values, ids = values.tolist(), ids.tolist()
-    return [TokenLogprob(t, c, tuple(zip(ids[i][:tops[i]], values[i][:tops[i]], strict=True)))
-            for i, (t, c) in enumerate(zip(tokens, chosen, strict=True))]
-
-
-def follow(model, channel: Channel, stopping: StopFlag) -> int:
-    """A worker rank: apply and run rank 0's steps until "stop". Signalled alone (rank 0 still sends
-    work), it leaves when idle after GRACE_S; rank 0 then sees the broken group and shuts down."""
-    batch = Batch(model, pad_token_id(model.generation_config))
+def follow(batch, channel: Channel, stopping: StopFlag) -> int:
+    """A worker rank: apply and run rank 0's steps on its batch (as Engine's) until "stop". Signalled alone
+    (rank 0 still sends work), it leaves when idle after GRACE_S; rank 0 then sees the broken group and
+    shuts down."""
     error = ""
     while True:
         step = channel.recv()
@@ -399,7 +289,7 @@ def follow(model, channel: Channel, stopping: StopFlag) -> int:
             return 0
         error = ""
         batch.apply(step)
-        if step.chunk or step.tokens:
+        if step.runs:
             try:
                 batch.run(step)
             except Exception as e:  # noqa: BLE001 - compared with rank 0's at the next step

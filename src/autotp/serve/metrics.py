@@ -3,10 +3,13 @@
 Counted per prompt row (a request with n prompts or n choices is n rows), as vLLM counts sequences:
 
 - autotp:num_requests_running, autotp:num_requests_waiting (gauges, read at scrape time), and
-  autotp:kv_cache_usage_perc (the padded cache's used slots over the KV budget, 0 to 1);
+  autotp:kv_cache_usage_perc (the slots rows hold over the KV budget, 0 to 1: cached blocks no row holds
+  count as free, as vLLM counts them);
 - autotp:time_to_first_token_seconds, autotp:inter_token_latency_seconds,
   autotp:e2e_request_latency_seconds (histograms, vLLM's buckets), from the request's arrival;
 - autotp:prompt_tokens_total, autotp:generation_tokens_total (counters, finished rows);
+- autotp:prefix_cache_queries_total, autotp:prefix_cache_hits_total (counters): prompt tokens looked up
+  in the paged engine's prefix cache as rows are admitted, and those found there (not computed again);
 - autotp:request_success_total{finished_reason="stop"|"length"} (rows), and
   autotp:request_errors_total{status} (HTTP requests answered 4xx/5xx, 499 for a client that left).
 
@@ -47,6 +50,10 @@ class Metrics:
         self.prompt_tokens = Counter(f"{PREFIX}prompt_tokens", "Prompt tokens of finished rows.", registry=r)
         self.generation_tokens = Counter(f"{PREFIX}generation_tokens", "Generated tokens of finished rows.",
                                          registry=r)
+        self.prefix_queries = Counter(f"{PREFIX}prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                                      "cache.", registry=r)
+        self.prefix_hits = Counter(f"{PREFIX}prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                                   registry=r)
         self.success = Counter(f"{PREFIX}request_success", "Finished rows, by why they finished.",
                                ["finished_reason"], registry=r)
         self.errors = Counter(f"{PREFIX}request_errors", "HTTP requests answered with an error, by status.",
@@ -66,6 +73,10 @@ class Metrics:
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(generated_tokens)
         self.success.labels(finished_reason=reason).inc()
+
+    def prefix(self, queried: int, hit: int) -> None:
+        self.prefix_queries.inc(queried)
+        self.prefix_hits.inc(hit)
 
     def answered(self, status: int) -> None:
         if status >= 400:

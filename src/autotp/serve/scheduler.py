@@ -1,4 +1,5 @@
-"""Rank 0's decisions for each step: who leaves, who is admitted, how many prompt tokens are prefilled.
+"""The engine's budgets, and rank 0's decisions for the padded engine (state.py): who is admitted, how many
+prompt tokens are prefilled. The paged engine plans with planner.py under the same `Limits`.
 
 Pure bookkeeping (no torch, no collectives), so every rule is tested on its own. Budgets, in vLLM's terms:
 
@@ -15,7 +16,10 @@ are prefilled together in one forward.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+
+from autotp.serve.wire import Step
 
 
 @dataclass(frozen=True)
@@ -83,3 +87,22 @@ def chunk_size(rows: int, width_left: int, decode_rows: int, limits: Limits) -> 
     """Prompt columns of a prefill group of `rows` to run this step, beside `decode_rows` decoding rows."""
     per_row = (limits.max_num_batched_tokens - decode_rows) // rows
     return max(1, min(width_left, per_row))
+
+
+def plan_padded(batch, drop: tuple[int, ...], tokens: list[int], needs: list[Need], waiting: list[tuple],
+                limits: Limits, join: Callable[[int], int]) -> Step:
+    """The padded engine's step: the running rows (batch.order_after(drop)) decode `tokens`; the prefill
+    group in progress goes on, or, when there is none, a new one is admitted from `waiting` ((prompt ids,
+    max_tokens, prompt_logprobs) each, oldest first; join(i) admits the i-th and returns its row id)."""
+    group = batch.prefill
+    group_rows = [r for r in group.rows if r not in drop] if group is not None and not group.complete else []
+    if group_rows:  # the prefill in progress goes on
+        left = group.ids.shape[1] - group.done
+        return Step(drop, tuple(tokens), chunk=chunk_size(len(group_rows), left, len(needs), limits))
+    count = admit([Need(len(ids), n) for ids, n, _ in waiting], needs, limits) if waiting else 0
+    admitted = [(join(i), waiting[i][0]) for i in range(count)]
+    if not admitted:
+        return Step(drop, tuple(tokens))
+    width = max(len(ids) for _, ids in admitted)
+    return Step(drop, tuple(tokens), tuple(admitted), chunk_size(len(admitted), width, len(needs), limits),
+                all_logits=any(w[2] for w in waiting[:count]))

@@ -28,10 +28,12 @@ from autotp.generate import context_limit
 from autotp.hub import TOKENIZER_FILES, load_config, resolve_model_dir
 from autotp.serve import budget
 from autotp.serve.boundary import Served
-from autotp.serve.engine import Engine, StopFlag, follow
+from autotp.serve.engine import Engine, StopFlag, backend, follow
 from autotp.serve.guard import host_policy
 from autotp.serve.http import HttpThread, build_app, listen
 from autotp.serve.metrics import Metrics
+from autotp.serve.paged import probe
+from autotp.serve.planner import PagedPlanner
 from autotp.serve.scheduler import Limits
 from autotp.serve.types import log
 from autotp.serve.wire import Channel, Step
@@ -78,6 +80,8 @@ class ServeOptions:
     read_timeout: float = 30.0
     allowed_hosts: list[str] | None = None
     api_key: str | None = None
+    block_size: int = 16  # tokens per KV block (the paged engine)
+    prefix_caching: bool = True
 
 
 def _size(n: int) -> str:
@@ -85,17 +89,41 @@ def _size(n: int) -> str:
                 or p == 0)
 
 
-def _limits(net, channel: Channel, env, opts: ServeOptions, max_model_len: int | None) -> Limits:
-    """Every rank measures its cache cost and free memory; the largest cost and smallest room decide."""
-    costs = channel.gather((budget.token_bytes(net), budget.free_bytes(env.device)))
+@dataclass
+class Backend:
+    """This rank's engine parts: its batch, and on rank 0 of the paged engine the block accounting."""
+
+    limits: Limits
+    batch: object  # runner.PagedBatch or state.Batch
+    planner: PagedPlanner | None
+
+
+def _backend(net, channel: Channel, env, opts: ServeOptions, max_model_len: int | None) -> Backend:
+    """Every rank measures its cache cost and free memory; the largest cost and smallest room decide. The
+    paged engine wherever every rank's attention reaches the pool, else the padded one (said once)."""
+    shapes, why = probe(net)
+    paged = all(s is not None for s, _ in channel.gather((shapes, why)))
+    if paged:
+        per_token = sum(2 * heads * dim * dtype.itemsize for heads, dim, dtype in shapes)
+    else:
+        per_token = budget.token_bytes(net)
+    costs = channel.gather((per_token, budget.free_bytes(env.device)))
     per_token, free = max(c for c, _ in costs), min(f for _, f in costs)
     tokens = budget.kv_tokens(per_token, opts.kv_cache_memory, free, opts.max_num_seqs, max_model_len)
-    budget.check_fits(tokens, per_token, opts.kv_cache_memory)
+    budget.check_fits(tokens, per_token, opts.kv_cache_memory, opts.block_size if paged else None)
+    if paged:
+        tokens -= tokens % opts.block_size  # whole blocks
     if env.rank == 0:
         short = (f", less than the context of {max_model_len}: longer requests are refused"
                  if max_model_len is not None and tokens < max_model_len else "")
-        log(f"KV cache: {tokens} tokens per rank ({_size(tokens * per_token)} at {per_token} bytes per token){short}")
-    return Limits(opts.max_num_seqs, opts.max_num_batched_tokens, tokens)
+        layout = (f"{tokens // opts.block_size} blocks of {opts.block_size}, prefix caching "
+                  f"{'on' if opts.prefix_caching else 'off'}" if paged else f"padded rows: {why}")
+        log(f"KV cache: {tokens} tokens per rank ({_size(tokens * per_token)} at {per_token} bytes per token; "
+            f"{layout}){short}")
+    limits = Limits(opts.max_num_seqs, opts.max_num_batched_tokens, tokens)
+    batch, planner = backend(net, shapes if paged else None, limits, opts.block_size, opts.prefix_caching,
+                             env.rank == 0)
+    return Backend(limits, batch, planner)
 
 
 def serve(model: str, model_id: str, opts: ServeOptions = ServeOptions()) -> int:
@@ -133,7 +161,8 @@ def serve(model: str, model_id: str, opts: ServeOptions = ServeOptions()) -> int
         # ranks finish loading at different times: wait here under the process group's long timeout
         # (AUTOTP_TIMEOUT), not in the control group's first broadcast, whose timeout is short
         dist.barrier(group=env.group)
-    limits = _limits(net, channel, env, opts, max_model_len)
+    backend = _backend(net, channel, env, opts, max_model_len)
+    limits = backend.limits
     if max_model_len is None:  # no learned position limit (ALiBi): what the KV cache holds bounds a request
         if env.rank == 0:
             log(f"no context limit ({source}): a request may use the {limits.kv_tokens} tokens of the KV cache; "
@@ -148,11 +177,11 @@ def serve(model: str, model_id: str, opts: ServeOptions = ServeOptions()) -> int
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
     if env.rank != 0:
-        code = follow(net, channel, stopping)
+        code = follow(backend.batch, channel, stopping)
         channel.close()  # every rank got "stop": the group is whole (a broken one is left to the exit)
         return code
 
-    engine = Engine(net, tokenizer, channel, stopping, limits, opts.max_queue)
+    engine = Engine(backend.batch, tokenizer, channel, stopping, limits, opts.max_queue, planner=backend.planner)
     engine.metrics = Metrics(lambda: engine.counts()[0], lambda: engine.counts()[1],
                              lambda: engine.kv_used() / limits.kv_tokens)
     served = Served(model_id, tokenizer, max_model_len, int(time.time()), limits.kv_tokens)

@@ -1,4 +1,6 @@
-"""The continuous batch as every rank holds it, and the forwards one step runs on it.
+"""The padded engine's batch as every rank holds it, and the forwards one step runs on it: the engine of
+models whose attention does not reach transformers' AttentionInterface (BLOOM, Falcon, MPT: ALiBi computed
+inline), which the paged engine (runner.py) cannot serve.
 
 Every rank keeps the same `Batch` and changes it only through `apply(step)` and `run(step)`, with the
 `Step` rank 0 broadcast (wire.py), so the ranks stay in lockstep without deciding anything themselves:
@@ -19,30 +21,13 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
 
 from autotp.serve.kv import PaddedBatch
+from autotp.serve.runner import Scores
 from autotp.serve.wire import Step
-
-
-@dataclass
-class Logits:
-    """The scores one step computed, with the row ids of each forward.
-
-    prefill: (rows, columns, vocab) for the chunk's prompt columns [start, end) when the group keeps every
-    position's scores, else (rows, 1, vocab) for its last column; `first` says the prompt is complete,
-    so prefill[:, -1] gives each row's first token. decode: (rows, vocab)."""
-
-    prefill_rows: list[int]
-    prefill: torch.Tensor | None
-    start: int
-    end: int
-    first: bool
-    decode_rows: list[int]
-    decode: torch.Tensor | None
 
 
 class Prefill:
@@ -119,30 +104,44 @@ class Batch:
             rows, prompts = zip(*step.admit, strict=True)
             self.prefill = Prefill(list(rows), list(prompts), self.pad, self.model.config, self.device, step.all_logits)
 
-    def run(self, step: Step, prefilled: Callable[[Logits], None] | None = None) -> Logits:
+    def run(self, step: Step, prefilled: Callable[[Scores], None] | None = None) -> Scores:
         """This step's forwards: raises what a forward raised, with the rows it ran already discarded.
-        `prefilled(logits)` sees the prefill's scores before the decode forward starts (rank 0 samples there)."""
-        out = Logits([], None, 0, 0, False, [], None)
+        `prefilled(scores)` sees the prefill's scores before the decode forward starts (rank 0 samples
+        there); the decode's are returned."""
         if step.chunk:
             group = self.prefill
-            out.start = group.done
             try:
-                out.prefill = self._prefill(group, step.chunk)
+                logits = self._prefill(group, step.chunk)
             except BaseException:
                 self.prefill = None
                 raise
-            out.prefill_rows, out.end, out.first = list(group.rows), group.done, group.complete
             if prefilled is not None:
-                prefilled(out)
+                prefilled(self._prefill_scores(group, logits))
+        out = Scores(torch.empty(0), [])
         if step.tokens:
             rows = list(self.running.rows)
+            positions = self.running.lengths().tolist()
             try:
-                out.decode = self._decode(step.tokens)
+                out.logits = self._decode(step.tokens)
             except BaseException:
                 self.running = None
                 raise
-            out.decode_rows = rows
+            out.spans = [(row, p, i, i + 1, True) for i, (row, p) in enumerate(zip(rows, positions, strict=True))]
         return out
+
+    @staticmethod
+    def _prefill_scores(group: Prefill, logits: torch.Tensor) -> Scores:
+        """A chunk's scores (rows, columns, vocab): the left-padded group's last `columns` columns (the
+        chunk's, or its last column alone) as each row's span of its own positions (padding columns left out)."""
+        columns = logits.shape[1]
+        spans = []
+        for i, row in enumerate(group.rows):
+            first = int((group.mask[i] == 0).sum())  # the row's tokens fill columns [first, width)
+            lo = max(group.done - columns, first)
+            if lo < group.done and (group.all_logits or group.complete):
+                a = i * columns + lo - (group.done - columns)
+                spans.append((row, lo - first, a, (i + 1) * columns, group.complete))
+        return Scores(logits.reshape(-1, logits.shape[-1]), spans)
 
     def discard(self) -> None:
         self.running = self.prefill = None

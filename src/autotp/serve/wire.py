@@ -33,8 +33,17 @@ class Step:
     admit: tuple[tuple[int, tuple[int, ...]], ...] = ()  # a new prefill group: (row id, prompt ids) each
     chunk: int = 0  # prompt columns of the prefill group to run in this step
     all_logits: bool = False  # with admit: the group's forwards keep every position's scores (prompt logprobs)
+    # the paged engine's rows (runner.py), in forward order: (row id, token ids to compute, position of the
+    # first, block ids appended to its table, sample: its last token gives the next one, every: keep every
+    # position's scores (prompt log-probabilities))
+    work: tuple[tuple[int, tuple[int, ...], int, tuple[int, ...], bool, bool], ...] = ()
     error: str = ""  # how the previous step failed on rank 0 ("" if it did not): every rank must agree
     stop: bool = False  # every rank returns
+
+    @property
+    def runs(self) -> bool:
+        """Whether the step runs a forward."""
+        return bool(self.chunk or self.tokens or self.work)
 
 
 class Channel:

@@ -1,0 +1,104 @@
+"""The KV cache's blocks as rank 0 accounts for them: free, held by rows, or cached for a later prompt.
+
+Pure bookkeeping on block ids (no torch): the tensors live in paged.py, on every rank, and every rank
+reads the block tables rank 0 sends. A block holds the keys and values of `block_size` consecutive tokens
+of one sequence, in every layer.
+
+Prefix caching, as vLLM v1 does it: a full block is keyed by (its parent block's key, its token ids), so
+a key names a whole prefix. A new prompt walks its full blocks from the first and takes every block
+already cached under the same key; only the rest is computed. A block nobody holds stays cached (its
+key kept) in least-recently-used order until its room is needed: `take` evicts the oldest one first.
+
+Reservations make admission safe without preemption: a row admitted with a budget of `n` tokens
+reserves the blocks it can ever need, and `take` only ever hands out reserved room.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+Key = int
+
+
+def block_key(parent: Key | None, tokens: tuple[int, ...]) -> Key:
+    """A full block's key: deterministic in-process (hash of a tuple of ints), chained through its parent."""
+    return hash((parent, tokens))
+
+
+class BlockPool:
+    """num_blocks blocks of block_size tokens. `caching` off: a block is forgotten as soon as it is free."""
+
+    def __init__(self, num_blocks: int, block_size: int, caching: bool = True):
+        self.num_blocks, self.block_size, self.caching = num_blocks, block_size, caching
+        self.refs = [0] * num_blocks
+        self.free: list[int] = list(range(num_blocks - 1, -1, -1))  # never written or forgotten; pop() = lowest
+        self.idle: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody holds, oldest first
+        self.key_of: dict[int, Key] = {}
+        self.content: dict[Key, tuple[int, Key | None, tuple[int, ...]]] = {}  # key -> (block, parent, tokens)
+        self.reserved = 0  # blocks promised to admitted rows and not yet taken
+
+    def available(self) -> int:
+        """Blocks that can still be promised: free or idle-cached, less what is already reserved."""
+        return len(self.free) + len(self.idle) - self.reserved
+
+    def used(self) -> int:
+        """Blocks held by rows."""
+        return self.num_blocks - len(self.free) - len(self.idle)
+
+    def match(self, tokens: tuple[int, ...] | list[int], limit: int) -> list[tuple[int, Key]]:
+        """(block, key) of the cached blocks of the longest run of tokens' full blocks, at most `limit`."""
+        out: list[tuple[int, Key]] = []
+        parent: Key | None = None
+        size = self.block_size
+        for i in range(min(limit, len(tokens) // size)):
+            chunk = tuple(tokens[i * size:(i + 1) * size])
+            key = block_key(parent, chunk)
+            found = self.content.get(key)
+            if found is None or found[1] != parent or found[2] != chunk:  # absent, or a hash collision
+                break
+            out.append((found[0], key))
+            parent = key
+        return out
+
+    def reserve(self, blocks: int) -> None:
+        if blocks > self.available():
+            raise RuntimeError(f"cannot reserve {blocks} blocks: {self.available()} available")
+        self.reserved += blocks
+
+    def unreserve(self, blocks: int) -> None:
+        self.reserved -= blocks
+
+    def hold(self, block: int) -> None:
+        """A row shares a cached block (a prefix hit): it is no longer idle."""
+        if self.refs[block] == 0:
+            del self.idle[block]
+        self.refs[block] += 1
+
+    def take(self) -> int:
+        """A block for a row, out of its reservation: a free one, else the least recently used idle one."""
+        if self.free:
+            block = self.free.pop()
+        else:
+            block, _ = self.idle.popitem(last=False)
+            del self.content[self.key_of.pop(block)]
+        self.reserved -= 1
+        self.refs[block] = 1
+        return block
+
+    def release(self, block: int) -> None:
+        """A row lets go of a block: cached blocks go idle (most recently used last), others free."""
+        self.refs[block] -= 1
+        if self.refs[block] == 0:
+            if block in self.key_of:
+                self.idle[block] = None
+            else:
+                self.free.append(block)
+
+    def register(self, block: int, parent: Key | None, tokens: tuple[int, ...]) -> Key:
+        """A held block is now full with tokens, its keys and values computed: cache it under its key.
+        Returns the key (its children's parent). A second block with the same content stays uncached."""
+        key = block_key(parent, tokens)
+        if self.caching and key not in self.content:
+            self.content[key] = (block, parent, tokens)
+            self.key_of[block] = key
+        return key

@@ -1,0 +1,162 @@
+"""Rank 0's side of a step's scores: each row's next token, its log-probabilities, its text and its end.
+
+The engine hands over the scores a forward computed (runner.Scores); this module samples the rows that get
+a token (each with its own seeded sampler.RowSampler), computes the log-probabilities rows asked for,
+decodes and streams the text, and answers a row that finished (eos, a stop string, its budget). Its own
+failures (an allocation for a long prompt's scores, a bug) fail only the rows they were for, with 500:
+the ranks ran the same forward, so they stay in lockstep. No collectives, no KV: only rank 0 runs this.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from autotp.sampler import RowSampler, SampleError
+from autotp.serve.metrics import Metrics
+from autotp.serve.text import cut_at_stop, decode, first_stop
+from autotp.serve.types import Piece, Result, TokenLogprob, log
+
+
+def describe(e: BaseException) -> str:
+    """An exception as one line, the same on every rank for the same failure."""
+    return f"{type(e).__name__}: {e}".splitlines()[0][:200]
+
+
+@dataclass
+class Active:
+    """A job admitted to the batch: its sampler, the tokens generated so far, the token it feeds next."""
+
+    job: object  # engine.Job
+    sampler: RowSampler
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=lambda: [None])  # the first has none
+    next: int | None = None
+    done: bool = False  # finished, failed or answered: leaves at the next step
+    last: float | None = None  # when its last token came out (metrics)
+
+    def fail(self, status: int, message: str) -> None:
+        """Answer the job with an error; the row leaves at the next step."""
+        self.done = True
+        self.job.fail(status, message)
+
+
+def eos_ids(model) -> set[int]:
+    eos = model.generation_config.eos_token_id
+    return set(eos) if isinstance(eos, list) else {eos} if eos is not None else set()
+
+
+def token_logprobs(scores: torch.Tensor, tokens: list[int], tops: list[int]) -> list[TokenLogprob]:
+    """scores (n, vocab) and the token taken at each -> its log-probability and the tops[i] likeliest."""
+    if not tokens:
+        return []
+    lp = torch.log_softmax(scores.float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
+    k = max(tops)
+    values, ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    values, ids = values.tolist(), ids.tolist()
+    return [TokenLogprob(t, c, tuple(zip(ids[i][:tops[i]], values[i][:tops[i]], strict=True)))
+            for i, (t, c) in enumerate(zip(tokens, chosen, strict=True))]
+
+
+class Output:
+    """Turns scores into tokens, text and answers for the rows in `active` (the engine's dict)."""
+
+    def __init__(self, tokenizer, eos: set[int], active: dict[int, Active], metrics: Metrics | None = None):
+        self.tokenizer, self.eos, self.active, self.metrics = tokenizer, eos, active, metrics
+        self.special = set(tokenizer.all_special_ids)
+
+    def take(self, scores) -> None:
+        """A forward's scores (runner.Scores): prompt log-probabilities first, then the next tokens."""
+        asked = [s for s in scores.spans if self.active[s[0]].job.row.prompt_logprobs]
+        if asked:
+            self.guarded([s[0] for s in asked], lambda: self._prompt_logprobs(scores.logits, asked))
+        if any(s[4] for s in scores.spans):
+            rows, sample = scores.sampled()
+            self.guarded(rows, lambda: self._sample_rows(rows, sample))
+
+    def guarded(self, rows: list[int], work: Callable[[], None]) -> None:
+        """Rank 0's own work on a forward's scores: what it raises fails `rows` with 500 and nothing else."""
+        try:
+            work()
+        except Exception as e:  # noqa: BLE001 - one request must not take the server down
+            log(f"rank 0's work on the scores of {len(rows)} rows failed; they get 500 and the server goes on: "
+                f"{describe(e)}")
+            for row in rows:
+                a = self.active.get(row)
+                if a is not None and not a.done:
+                    a.fail(500, f"generation failed: {describe(e)}")
+
+    def _sample_rows(self, rows: list[int], scores: torch.Tensor) -> None:
+        """scores (rows, vocab): each row's next token, then its log-probabilities where it asked for them."""
+        finite = torch.isfinite(scores.max(dim=-1).values).tolist()
+        greedy = scores.argmax(dim=-1).tolist()  # what RowSampler.pick gives a greedy row, for all at once
+        picked: dict[int, int] = {}
+        for i, row in enumerate(rows):
+            a = self.active[row]
+            if a.done:  # failed earlier in this step (its prompt's log-probabilities)
+                continue
+            try:
+                picked[i] = greedy[i] if finite[i] and a.sampler.generator is None else a.sampler.pick(scores[i])
+            except SampleError as e:
+                log(f"{a.job.request} prompt {a.job.index} failed: {e}")
+                a.fail(500, str(e))
+        want = [i for i in picked if self.active[rows[i]].job.row.logprobs is not None]
+        logprobs: dict[int, TokenLogprob] = {}
+
+        def compute() -> None:
+            tops = [self.active[rows[i]].job.row.logprobs for i in want]
+            logprobs.update(zip(want, token_logprobs(scores[want], [picked[i] for i in want], tops), strict=True))
+
+        self.guarded([rows[i] for i in want], compute)
+        for i, token in picked.items():
+            if not self.active[rows[i]].done:
+                self._advance(self.active[rows[i]], token, logprobs.get(i))
+
+    def _prompt_logprobs(self, logits: torch.Tensor, spans: list[tuple]) -> None:
+        """Each prompt token's log-probability given the ones before it: the column at position j
+        predicts the prompt's token j + 1."""
+        for row, start, a, b, _ in spans:
+            active = self.active[row]
+            ids = active.job.row.ids
+            positions = range(max(start, len(active.prompt_logprobs) - 1), min(start + b - a, len(ids) - 1))
+            if positions:
+                targets = [ids[j + 1] for j in positions]
+                picked = logits[a + positions.start - start:a + positions.stop - start]
+                active.prompt_logprobs += token_logprobs(picked, targets, [active.job.row.logprobs or 0] * len(targets))
+
+    def _advance(self, a: Active, token: int, logprob: TokenLogprob | None) -> None:
+        """A row's new token: it finishes here (eos, stop string, budget) or feeds the next step."""
+        a.tokens.append(token)
+        if logprob is not None:
+            a.logprobs.append(logprob)
+        row, job = a.job.row, a.job
+        if self.metrics is not None:
+            a.last = self.metrics.token(job.arrived, a.last)
+        try:
+            watched = bool(row.stop) or job.stream is not None  # text needed at every token, not only the last
+            text = decode(self.tokenizer, a.tokens) if watched else ""
+            stopped_by = first_stop(text, row.stop) if row.stop else ""
+            if token in self.eos or stopped_by:
+                reason = "stop"
+            elif len(a.tokens) >= row.max_tokens:
+                reason = "length"
+            else:
+                a.next, reason = token, ""
+            if reason:
+                text = cut_at_stop(text if watched else decode(self.tokenizer, a.tokens), row.stop)[0]
+            if job.stream is not None:
+                delta = job.stream.delta(text, final=bool(reason))
+                job.emit(("token", job.index, Piece(token, delta, token in self.special, logprob)))
+            if reason:
+                a.done = True
+                if self.metrics is not None:
+                    self.metrics.finished(job.arrived, reason, len(row.ids), len(a.tokens))
+                job.emit(("done", job.index, Result(text, reason, len(a.tokens), tuple(a.tokens), tuple(a.logprobs),
+                                                    tuple(a.prompt_logprobs), stopped_by)))
+        except Exception as e:  # noqa: BLE001 - rank 0's decoding, between steps: this request only
+            log(f"{job.request} prompt {job.index} failed after generating: {describe(e)}")
+            a.fail(500, f"decoding the completion failed: {type(e).__name__}")

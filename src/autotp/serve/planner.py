@@ -1,0 +1,125 @@
+"""Rank 0's decisions for the paged engine: which rows compute how many tokens this step, in which blocks.
+
+vLLM v1's rule: every row computes `len(tokens) - computed` tokens (one for a decoding row, a chunk of its
+prompt for a prefilling one), running rows first, within `max_num_batched_tokens`; then new rows are
+admitted first come, first served while a row slot, a token of the step's budget and room for their whole
+life in blocks are left. A new row starts from the longest cached run of its prompt's full blocks
+(blocks.BlockPool) and computes only the rest; it always computes at least its last prompt token, whose
+scores give its first generated one. Pure bookkeeping (no torch): the runner (runner.py) does the work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from autotp.serve.blocks import BlockPool, Key
+from autotp.serve.scheduler import Limits
+from autotp.serve.wire import Step
+
+
+@dataclass
+class Seq:
+    """A row's blocks as rank 0 holds them. computed: tokens whose keys and values are in its blocks;
+    keys: the keys of its first len(keys) blocks, cached; reserved: blocks it may still take."""
+
+    blocks: list[int] = field(default_factory=list)
+    keys: list[Key] = field(default_factory=list)
+    computed: int = 0
+    reserved: int = 0
+    every: bool = False  # its prompt's every position is scored (prompt log-probabilities): no cache hits
+
+
+def blocks_for(tokens: int, size: int) -> int:
+    return -(-tokens // size)
+
+
+class PagedPlanner:
+    """limits: the engine's budgets; pool: the blocks of every rank's KV pool (the same ids everywhere)."""
+
+    def __init__(self, pool: BlockPool, limits: Limits):
+        self.pool, self.limits = pool, limits
+        self.seqs: dict[int, Seq] = {}
+        self.metrics = None  # metrics.Metrics: prompt tokens looked up in the prefix cache, and found there
+
+    def kv_used(self) -> int:
+        """Token slots in blocks that rows hold now."""
+        return self.pool.used() * self.pool.block_size
+
+    def fits_ever(self, prompt: int, max_tokens: int) -> bool:
+        return blocks_for(prompt + max_tokens - 1, self.pool.block_size) <= self.pool.num_blocks
+
+    def release(self, row: int) -> None:
+        """A row leaves (finished, cancelled, failed): its blocks go idle-cached or free."""
+        seq = self.seqs.pop(row)
+        self.pool.unreserve(seq.reserved)
+        for block in seq.blocks:
+            self.pool.release(block)
+
+    def plan(self, rows: dict[int, tuple[list[int], int]], drop: tuple[int, ...], waiting, join) -> Step:
+        """rows: each row still running -> (its tokens, prompt then generated, and its prompt length);
+        waiting: the queue's jobs, oldest first, as (prompt ids, max_tokens, no_cache) each; join(i)
+        admits the i-th and returns its row id. Returns the step (its `error` left for the engine)."""
+        for row in drop:
+            self.release(row)
+        budget = self.limits.max_num_batched_tokens
+        work = []
+        # running rows first, then the prompts still being prefilled, in the order they came
+        order = sorted(rows, key=lambda r: rows[r][1] > self.seqs[r].computed)
+        for row in order:
+            tokens, prompt = rows[row]
+            seq = self.seqs[row]
+            n = min(len(tokens) - seq.computed, budget)
+            if n <= 0:
+                continue
+            budget -= n
+            work.append(self._work(row, seq, tokens, n, prompt))
+        admitted = 0
+        for prompt, max_tokens, no_cache in waiting:
+            if budget <= 0 or len(rows) + admitted >= self.limits.max_num_seqs:
+                break
+            size = self.pool.block_size
+            hits = [] if no_cache else self.pool.match(prompt, (len(prompt) - 1) // size)
+            life = blocks_for(len(prompt) + max_tokens - 1, size) - len(hits)
+            idle = sum(self.pool.refs[b] == 0 for b, _ in hits)
+            if life + idle > self.pool.available():
+                break  # first come, first served: the head waits for room, nobody overtakes it
+            row = join(admitted)
+            admitted += 1
+            for block, _ in hits:
+                self.pool.hold(block)
+            self.pool.reserve(life)
+            seq = self.seqs[row] = Seq([b for b, _ in hits], [k for _, k in hits], len(hits) * size, life, no_cache)
+            if self.metrics is not None and not no_cache:
+                self.metrics.prefix(len(prompt), seq.computed)
+            n = min(len(prompt) - seq.computed, budget)
+            budget -= n
+            work.append(self._work(row, seq, list(prompt), n, len(prompt), new=[b for b, _ in hits]))
+        return Step(drop=drop, work=tuple(work))
+
+    def _work(self, row: int, seq: Seq, tokens: list[int], n: int, prompt: int, new: list[int] | None = None) -> tuple:
+        """This step's entry for a row computing tokens[computed : computed + n], taking the blocks that
+        needs (after `new`, its cached prefix, when it is admitted)."""
+        start = seq.computed
+        added = list(new or [])
+        while len(seq.blocks) * self.pool.block_size < start + n:
+            block = self.pool.take()
+            seq.reserved -= 1
+            seq.blocks.append(block)
+            added.append(block)
+        sample = start + n == len(tokens)
+        return row, tuple(tokens[start:start + n]), start, tuple(added), sample, seq.every and start < prompt
+
+    def ran(self, step: Step, tokens: dict[int, list[int]]) -> None:
+        """The step ran on every rank: its rows' tokens are computed, and the blocks they filled are cached.
+        tokens: each row's tokens (prompt then generated) as they were planned."""
+        size = self.pool.block_size
+        for row, ids, start, _, _, _ in step.work:
+            seq = self.seqs.get(row)
+            if seq is None:
+                continue
+            seq.computed = start + len(ids)
+            known = tokens[row]
+            while (len(seq.keys) + 1) * size <= seq.computed:
+                i = len(seq.keys)
+                parent = seq.keys[-1] if seq.keys else None
+                seq.keys.append(self.pool.register(seq.blocks[i], parent, tuple(known[i * size:(i + 1) * size])))

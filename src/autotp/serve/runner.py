@@ -1,0 +1,114 @@
+"""The model runner of the paged engine: one forward per step over every row's new tokens.
+
+Every rank keeps the block tables of the rows it runs, changed only by the steps rank 0 broadcasts
+(`apply`), and runs each step the same way (`run`): the rows' new tokens flattened into one (1, tokens)
+input with their positions, each token's slot from its row's table, and the step's attention layout
+(paged.Layout). Only the positions rank 0 asked for reach the LM head (`logits_to_keep`): a sampling
+row's last one, every one of a row that wants its prompt's log-probabilities.
+
+Nothing here decides anything; a forward that raises leaves the rows' new slots half written, so rank 0
+fails those rows on every rank alike and their blocks are never cached.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from autotp.serve.paged import ATTENTION, KvPool, Layout, PagedCache
+from autotp.serve.wire import Step
+
+
+@dataclass
+class Scores:
+    """What a step's forward scored. logits (kept, vocab); per row that kept any, a span: (row, position
+    of its first kept column, a, b, sample) with its columns at logits[a:b]; `sample`: the last of them
+    gives the row's next token."""
+
+    logits: torch.Tensor
+    spans: list[tuple[int, int, int, int, bool]]
+
+    def sampled(self) -> tuple[list[int], torch.Tensor]:
+        """The rows that get a token, and their scores (rows, vocab)."""
+        picks = [(s[0], s[3] - 1) for s in self.spans if s[4]]
+        index = torch.tensor([i for _, i in picks], device=self.logits.device, dtype=torch.long)
+        return [r for r, _ in picks], self.logits.index_select(0, index)
+
+
+class PagedBatch:
+    """One rank's rows of the paged engine: their block tables (see the module docstring)."""
+
+    def __init__(self, model, pool: KvPool):
+        self.model, self.pool = model, pool
+        self.device = model.device
+        self.tables: dict[int, list[int]] = {}
+
+    def rows(self) -> list[int]:
+        return list(self.tables)
+
+    def apply(self, step: Step) -> None:
+        for row in step.drop:
+            self.tables.pop(row, None)
+        for row, _, _, blocks, _, _ in step.work:
+            self.tables.setdefault(row, []).extend(blocks)
+
+    def discard(self, rows) -> None:
+        for row in rows:
+            self.tables.pop(row, None)
+
+    def run(self, step: Step, prefilled=None) -> Scores:
+        """The step's forward. Raises what it raised, with its rows' tables already gone. prefilled: the
+        padded engine's early look at its prefill's scores (state.Batch.run); one forward has none."""
+        try:
+            return self._run(step)
+        except BaseException:
+            self.discard([w[0] for w in step.work])
+            raise
+
+    def _slots(self, row: int, end: int) -> torch.Tensor:
+        """(end,) the slots of a row's positions 0 .. end - 1."""
+        size = self.pool.block_size
+        table = torch.tensor(self.tables[row][:-(-end // size)], device=self.device)
+        return (table[:, None] * size + torch.arange(size, device=self.device)).flatten()[:end]
+
+    def _run(self, step: Step) -> Scores:
+        ids, positions, write, keep, spans = [], [], [], [], []
+        decode, decode_slots, prefill = [], [], []
+        for row, tokens, start, _, sample, every in step.work:
+            a, n = len(ids), len(tokens)
+            ids += tokens
+            positions += range(start, start + n)
+            slots = self._slots(row, start + n)
+            write.append(slots[start:])
+            if n == 1:
+                decode.append(a)
+                decode_slots.append(slots)
+            else:
+                prefill.append((a, a + n, slots, start))
+            if every or sample:
+                first = a if every else a + n - 1
+                spans.append((row, positions[first], len(keep), len(keep) + a + n - first, sample))
+                keep += range(first, a + n)
+        layout = Layout(torch.cat(write), torch.tensor(positions, device=self.device), None, None, None, prefill)
+        if decode:
+            longest = max(len(s) for s in decode_slots)
+            padded = torch.full((len(decode), longest), self.pool.slots, device=self.device)
+            mask = torch.zeros(len(decode), longest, dtype=torch.bool, device=self.device)
+            for i, s in enumerate(decode_slots):
+                padded[i, :len(s)] = s
+                mask[i, :len(s)] = True
+            layout.decode = torch.tensor(decode, device=self.device)
+            layout.decode_slots, layout.decode_mask = padded, mask[:, None, None, :]
+        config = self.model.config
+        previous, config._attn_implementation = config._attn_implementation, ATTENTION  # for this forward only
+        try:
+            with torch.inference_mode():
+                out = self.model(input_ids=torch.tensor([ids], device=self.device),
+                                 position_ids=layout.positions[None],
+                                 cache=PagedCache(self.pool, layout), use_cache=True,
+                                 logits_to_keep=torch.tensor(keep, device=self.device, dtype=torch.long),
+                                 paged=(self.pool, layout))
+        finally:
+            config._attn_implementation = previous
+        return Scores(out.logits[0], spans)

@@ -1,0 +1,223 @@
+"""The paged engine: the block pool and its prefix cache by hand, the planner's rules, and rows served from
+cached blocks against the same rows computed cold (the oracle: HF `generate` of the prompt alone).
+
+A prompt served from cached blocks is computed in other chunks than cold (its prefix in an earlier
+forward), which reorders float32 sums: its tokens must be the same greedy tokens, its scores equal within
+float32 tolerance, never bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from checkpoints import word_tokenizer
+from engine_driver import drive, engine_for, job
+from test_continuous import build, tokens_of
+
+from autotp.generate import generate
+from autotp.serve.blocks import BlockPool
+from autotp.serve.planner import PagedPlanner
+from autotp.serve.scheduler import Limits
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(word_tokenizer(tmp_path_factory.mktemp("words")))
+
+
+def held(pool: BlockPool, tokens: list[int]) -> list[int]:
+    """A row that computed `tokens` and left: its full blocks cached, chained, then released."""
+    blocks, parent = [], None
+    pool.reserve(len(tokens) // pool.block_size)
+    for i in range(len(tokens) // pool.block_size):
+        blocks.append(pool.take())
+        parent = pool.register(blocks[-1], parent, tuple(tokens[i * pool.block_size:(i + 1) * pool.block_size]))
+    for b in blocks:
+        pool.release(b)
+    return blocks
+
+
+def test_the_longest_cached_run_of_full_blocks_is_found_by_hand():
+    pool = BlockPool(8, 2)
+    a = held(pool, [1, 2, 3, 4, 5, 6])  # blocks (1 2) (3 4) (5 6)
+    assert [b for b, _ in pool.match([1, 2, 3, 4, 5, 6, 7], 9)] == a
+    assert [b for b, _ in pool.match([1, 2, 3, 4, 9, 9], 9)] == a[:2]  # third block differs
+    assert pool.match([2, 1, 3, 4], 9) == []  # the same (3 4) after another first block is another key
+    assert [b for b, _ in pool.match([1, 2, 3, 4, 5, 6], 2)] == a[:2]  # limit: the last token is computed again
+    assert [b for b, _ in pool.match([1, 2, 3], 9)] == a[:1]  # (3) alone is no full block
+
+
+def test_idle_cached_blocks_are_evicted_least_recently_used_first_and_free_ones_before_them():
+    pool = BlockPool(4, 2)
+    first, second = held(pool, [1, 2]), held(pool, [3, 4])
+    assert pool.available() == 4 and pool.used() == 0
+    pool.reserve(2)
+    taken = [pool.take(), pool.take()]  # the two never-used blocks first: both cached prefixes survive
+    assert set(taken).isdisjoint(first + second) and pool.match([1, 2], 1) and pool.match([3, 4], 1)
+    pool.hold(first[0])  # [1, 2] is used again: now [3, 4] is the oldest idle block
+    pool.release(first[0])
+    pool.reserve(1)
+    assert pool.take() == second[0]
+    assert pool.match([3, 4], 1) == [] and [b for b, _ in pool.match([1, 2], 1)] == first
+
+
+def test_reservations_bound_what_can_be_promised():
+    pool = BlockPool(3, 4)
+    pool.reserve(2)
+    assert pool.available() == 1
+    with pytest.raises(RuntimeError, match="cannot reserve 2 blocks: 1 available"):
+        pool.reserve(2)
+    pool.unreserve(2)
+    assert pool.available() == 3
+
+
+def test_a_second_block_with_the_same_content_stays_uncached_and_caching_off_caches_nothing():
+    pool = BlockPool(4, 2)
+    original = held(pool, [7, 8])
+    copy = held(pool, [7, 8])
+    assert copy != original and [b for b, _ in pool.match([7, 8], 1)] == original
+    assert len(pool.free) == 3  # the copy went back free, not idle
+    off = BlockPool(4, 2, caching=False)
+    held(off, [7, 8])
+    assert off.match([7, 8], 1) == [] and len(off.free) == 4
+
+
+def plan_tokens(planner, rows, waiting, admitted):
+    step = planner.plan(rows, (), waiting, lambda i: admitted.append(i) or 100 + len(admitted) - 1)
+    return step.work
+
+
+def test_a_prompt_extending_a_cached_one_computes_only_its_new_blocks_and_always_its_last_token():
+    pool = BlockPool(16, 4)
+    planner = PagedPlanner(pool, Limits(4, 64, 64))
+    cached = list(range(1, 13))  # three full blocks
+    held(pool, cached)
+    work = plan_tokens(planner, {}, [(tuple(cached + [13, 14]), 5, False)], [])
+    row, ids, start, blocks, sample, every = work[0]
+    assert (start, ids, sample, every) == (12, (13, 14), True, False) and len(blocks) == 4  # 3 shared + 1 new
+    # the same 12 tokens again: the third block is not taken, its last token gives the first new one
+    work = plan_tokens(planner, {}, [(tuple(cached), 5, False)], [])
+    assert work[0][2] == 8 and work[0][1] == (9, 10, 11, 12)
+    # a row that wants its prompt's log-probabilities computes everything
+    work = plan_tokens(planner, {}, [(tuple(cached), 5, True)], [])
+    assert work[0][2] == 0 and work[0][5]
+
+
+def test_admission_waits_for_blocks_first_come_first_served_and_running_rows_decode_every_step():
+    pool = BlockPool(6, 4)
+    planner = PagedPlanner(pool, Limits(4, 8, 24))
+    admitted: list[int] = []
+    # 10 + 6 tokens: 4 blocks for its life; the second (4 + 8: 3 blocks) would need 7 of 6: it waits
+    work = plan_tokens(planner, {}, [(tuple(range(10)), 7, False), (tuple(range(50, 54)), 9, False)], admitted)
+    assert admitted == [0] and [(w[0], len(w[1])) for w in work] == [(100, 8)]  # the 8-token budget
+    planner.ran(planner_step(work), {100: list(range(10))})
+    rows = {100: (list(range(10)), 10)}
+    work = plan_tokens(planner, rows, [(tuple(range(50, 54)), 9, False)], admitted)
+    assert [(w[0], w[1], w[2]) for w in work] == [(100, (8, 9), 8)] and admitted == [0]
+
+
+def planner_step(work):
+    from autotp.serve.wire import Step
+
+    return Step(work=tuple(work))
+
+
+def test_a_steps_tokens_stay_within_the_budget_and_every_running_row_computes_in_every_step(tokenizer):
+    model = build("llama")
+    limits = Limits(max_num_seqs=4, max_num_batched_tokens=8, kv_tokens=10_000)
+    engine = engine_for(model, tokenizer, limits)
+    sent = []
+    send = engine.channel.send
+    engine.channel.send = lambda step: (sent.append(step), send(step))[-1]
+    g = torch.Generator().manual_seed(1)
+    short = [job(torch.randint(0, 101, (4,), generator=g).tolist(), 20, index=i) for i in range(3)]
+    long = job(torch.randint(0, 101, (45,), generator=g).tolist(), 4, index=3)
+    drive(engine, {0: short, 3: [long]})
+    assert all(sum(len(w[1]) for w in s.work) <= limits.max_num_batched_tokens for s in sent)
+    chunks = [(len(w[1]), sum(len(v[1]) == 1 for v in s.work)) for s in sent for w in s.work if len(w[1]) > 1
+              and len(w[1]) != 4]
+    assert chunks == [(5, 3)] * 9  # 45 tokens: 9 chunks of 5 beside the 3 rows' decodes, in the same forward
+    x = torch.tensor([long.row.ids])
+    assert tokens_of(long.emit.ended) == generate(model, x, max_new_tokens=4)[0, 45:].tolist()
+
+
+def test_the_blocks_are_never_overcommitted_and_admission_waits_for_room(tokenizer):
+    model = build("llama")
+    limits = Limits(max_num_seqs=8, max_num_batched_tokens=64, kv_tokens=96)  # 24 blocks of 4
+    engine = engine_for(model, tokenizer, limits, caching=False)
+    used, together = [], []
+    g = torch.Generator().manual_seed(2)
+    jobs = [job(torch.randint(0, 101, (10,), generator=g).tolist(), 20, index=i) for i in range(6)]
+    drive(engine, {0: jobs}, on_step=lambda s, e: (used.append(e.planner.pool.used()), together.append(
+        len(e.batch.rows()))))
+    assert max(used) <= 24 and max(together) == 3  # 10 + 19 tokens need 8 blocks: 3 rows fit, a fourth waits
+    for j in jobs:
+        assert tokens_of(j.emit.ended) == generate(model, torch.tensor([j.row.ids]), max_new_tokens=20)[0, 10:].tolist()
+
+
+@pytest.mark.parametrize("name", ["gpt_bigcode_mqa12", "llama", "mistral", "gpt2", "qwen2_moe"])
+def test_a_prompt_served_from_cached_blocks_gets_the_tokens_and_scores_it_gets_cold(name, tokenizer):
+    """Multi-query, grouped-query, a sliding window of 4, Conv1D and MoE: the editor's pattern, a prompt
+    then the same prompt with a few tokens more, against the second prompt on an engine without a cache."""
+    model = build(name)
+    g = torch.Generator().manual_seed(4)
+    first = torch.randint(0, 101, (21,), generator=g).tolist()
+    second = first + [5, 9, 33]
+    warm = engine_for(model, tokenizer)
+    drive(warm, {0: [job(first, 6, index=0)]})
+    again = job(second, 12, logprobs=3, index=1)
+    drive(warm, {0: [again]})
+    cold = job(second, 12, logprobs=3, index=1)
+    drive(engine_for(model, tokenizer, caching=False), {0: [cold]})
+    warm.step()  # the finished row leaves: every block released, the cache kept
+    assert warm.planner.seqs == {} and warm.planner.pool.used() == 0
+    assert tokens_of(again.emit.ended) == tokens_of(cold.emit.ended)
+    x = torch.tensor([second])
+    assert tokens_of(cold.emit.ended) == generate(model, x, max_new_tokens=12)[0, 24:].tolist()
+    for a, c in zip(again.emit.ended[2].logprobs, cold.emit.ended[2].logprobs, strict=True):
+        assert a.logprob == pytest.approx(c.logprob, abs=1e-4)
+        assert [t for t, _ in a.top] == [t for t, _ in c.top]
+
+
+def test_the_editor_pattern_reuses_a_cancelled_prompts_blocks(tokenizer):
+    """A prompt cancelled mid-generation (the user typed), then the same prompt plus three tokens: its
+    blocks were kept, the new request computes only what changed, and its seeded text is the cold one."""
+    model = build("gpt_bigcode_mqa12")
+    engine = engine_for(model, tokenizer)
+    sent = []
+    send = engine.channel.send
+    engine.channel.send = lambda step: (sent.append(step), send(step))[-1]
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, 101, (30,), generator=g).tolist()
+    typing = job(prompt, 40, 0.8, seed=3, index=0)
+    drive(engine, {0: [typing]}, on_step=lambda s, e: setattr(typing, "cancelled", typing.cancelled or s == 4))
+    assert typing.emit.ended is None
+    sent.clear()
+    after = job(prompt + [7, 7, 8], 10, 0.8, seed=3, index=1)
+    drive(engine, {0: [after]})
+    first = next(w for s in sent for w in s.work)
+    # the prompt's 7 full blocks of 4 come from the cache (the 8th holds generated tokens, which differ): 5 of 33
+    # tokens are computed
+    assert first[2] == 28 and first[1] == (*prompt[28:], 7, 7, 8)
+    cold = job(prompt + [7, 7, 8], 10, 0.8, seed=3, index=1)
+    drive(engine_for(model, tokenizer, caching=False), {0: [cold]})
+    assert after.emit.ended[2].text == cold.emit.ended[2].text
+
+
+def test_prompt_log_probabilities_are_computed_in_full_beside_rows_served_from_the_cache(tokenizer):
+    model = build("llama")
+    prompt = list(range(3, 20))
+    engine = engine_for(model, tokenizer)
+    drive(engine, {0: [job(prompt, 4, index=0)]})
+    echo = job(prompt, 4, index=1, prompt_logprobs=True, logprobs=0)
+    drive(engine, {0: [echo]})
+    cold = job(prompt, 4, index=1, prompt_logprobs=True, logprobs=0)
+    drive(engine_for(model, tokenizer, caching=False), {0: [cold]})
+    got, want = echo.emit.ended[2].prompt_logprobs, cold.emit.ended[2].prompt_logprobs
+    assert len(got) == len(prompt) and got[0] is None
+    assert [e.logprob for e in got[1:]] == pytest.approx([e.logprob for e in want[1:]], abs=1e-5)
+    scores = model(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    assert [e.logprob for e in got[1:]] == pytest.approx([scores[j, prompt[j + 1]].item()
+                                                          for j in range(len(prompt) - 1)], abs=1e-4)
