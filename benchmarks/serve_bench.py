@@ -1,5 +1,6 @@
 """Serving under load, side by side: `autotp serve` (this tree and a baseline commit, 1 and 2 ranks) and
-`transformers serve --continuous-batching`, on the demo model, with one client for all of them.
+`transformers serve --continuous-batching` (servers.py), on the demo model or SmolLM2-135M, with one client
+for all of them.
 
 Three loads, every request streamed and greedy, through the `openai` client:
 - head of line: one 300-token completion, then six 8-token ones at once while it runs: the short ones'
@@ -10,104 +11,29 @@ Three loads, every request streamed and greedy, through the `openai` client:
   and p99, end-to-end p99, streamed tokens per second over the whole load;
 - throughput: 64-token completions at concurrency 1, 8 and 32 (max(16, 2 C) requests each).
 
-The baseline is checked out under benchmarks/.cache/ (git worktree) and run from its own src/ with this
-venv. transformers serve runs from its own venv (it needs `accelerate`, which autotp does not):
+    python benchmarks/serve_bench.py [--systems new:1 new:2 old:1 old:2 hf] [--baseline 6a1d188] [--model demo]
 
-    python3 -m venv benchmarks/.cache/hf-serve
-    benchmarks/.cache/hf-serve/bin/pip install torch==2.13.0 transformers==5.24.0 accelerate fastapi uvicorn openai
-    python benchmarks/serve_bench.py [--systems new:1 new:2 old:1 old:2 hf] [--baseline 438d128]
-
-Prints a table, writes benchmarks/results/serve_bench.json. OMP_NUM_THREADS = cores / ranks for every system.
+Prints a table, writes benchmarks/results/serve_bench[_MODEL].json.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
 import random
 import re
-import signal
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
-from common import CACHE, free_port, write_json
+from common import write_json
+from servers import cpus, label, model_id, model_path, start, stop
 
 HERE = Path(__file__).parent
-ROOT = HERE.parent
-DEMO = ROOT / "src" / "autotp" / "demo_model"
 PROMPTS = ["def print_hello_world():", "import os\n\ndef list_files(path):", "class Stack:\n    def push(self, x):",
            "for i in range(10):", "def fibonacci(n):", "with open(path) as f:", "def add(a, b):",
            "try:\n    import json\nexcept ImportError:"]
-START_TIMEOUT_S = 300
-
-
-def cpus() -> int:
-    return os.cpu_count() or 1
-
-
-def baseline_tree(rev: str) -> Path:
-    tree = CACHE / f"baseline-{rev}"
-    if not (tree / "src" / "autotp").is_dir():
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), rev], check=True,
-                       capture_output=True)
-    return tree
-
-
-def command(system: str, port: int, baseline: str, hf_python: Path) -> tuple[list[str], dict]:
-    """The server command line and environment for "new:N", "old:N" or "hf"."""
-    env = dict(os.environ)
-    if system == "hf":
-        env["OMP_NUM_THREADS"] = str(cpus())
-        exe = hf_python.parent / "transformers"
-        return [str(exe), "serve", "--continuous-batching", "--device", "cpu", "--port", str(port), str(DEMO)], env
-    kind, tp = system.split(":")
-    env["OMP_NUM_THREADS"] = str(max(1, cpus() // int(tp)))
-    slots = ["--max-num-seqs", "32"]
-    if kind == "old":
-        env["PYTHONPATH"] = str(baseline_tree(baseline) / "src")
-        slots = ["--max-batch-size", "32"]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", tp, "--master-port", str(free_port()),
-            "-m", "autotp", "serve", "--model", str(DEMO), "--port", str(port), *slots], env
-
-
-def start(system: str, baseline: str, hf_python: Path, log: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd, env = command(system, port, baseline, hf_python)
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            stop(proc)
-            raise SystemExit(f"{system} did not start:\n{log.read_text(errors='replace')[-3000:]}")
-        try:
-            if model_id(url):
-                return proc, url
-        except (OSError, KeyError, IndexError, ValueError):
-            pass
-        time.sleep(0.5)
-
-
-def model_id(url: str) -> str:
-    with urllib.request.urlopen(f"{url}/v1/models", timeout=5) as r:
-        return json.loads(r.read())["data"][0]["id"]
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 async def one(client, model: str, prompt: str, max_tokens: int, at_piece: tuple[int, asyncio.Event] | None = None
@@ -232,38 +158,36 @@ def goals(rows: dict) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--systems", nargs="+", default=["new:1", "new:2", "old:1", "old:2", "hf"])
-    parser.add_argument("--baseline", default="438d128", help="commit of the engine before continuous batching")
-    parser.add_argument("--hf-python", type=Path, default=CACHE / "hf-serve" / "bin" / "python")
+    parser.add_argument("--baseline", default="6a1d188", help="commit of the padded engine before the paged one")
+    parser.add_argument("--model", default="demo", help="demo, smollm2 or a model directory")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     args = parser.parse_args()
     rows = {}
     with tempfile.TemporaryDirectory() as scratch:
         for system in args.systems:
             log = Path(scratch) / f"{re.sub(r'[^a-z0-9]', '_', system)}.log"
-            proc, url = start(system, args.baseline, args.hf_python, log)
+            proc, url = start(system, args.baseline, model_path(args.model), log)
             try:
                 rows[system] = asyncio.run(measure(url, args.concurrency))
             finally:
                 stop(proc)
             print(f"{system}: done", file=sys.stderr, flush=True)
-    names = {"new:1": "autotp serve (continuous), 1 rank", "new:2": "autotp serve (continuous), 2 ranks",
-             "old:1": f"autotp serve ({args.baseline}), 1 rank", "old:2": f"autotp serve ({args.baseline}), 2 ranks",
-             "hf": "transformers serve --continuous-batching"}
-    print(f"demo model, {cpus()} CPUs, streamed greedy completions")
+    print(f"{args.model} model, {cpus()} CPUs, streamed greedy completions")
     print(f"{'server':44} {'short TTFT':>10} {'sent at':>7} {'long e2e':>8} {'mixed TTFT p50/p99':>18} {'e2e p99':>7} "
           f"{'mixed tok/s':>11} " + " ".join(f"{'C=' + str(c) + ' tok/s':>11}" for c in args.concurrency))
     for system, r in rows.items():
         h, m = r["head_of_line"], r["mixed"]
         sent = f"{h['shorts_sent_after_s']:.2f}s" + ("" if h["long_was_running"] else "!")
-        print(f"{names.get(system, system):44} {h['short_ttft_max_s']:>9.3f}s {sent:>7} {h['long_e2e_s']:>7.2f}s "
+        print(f"{label(system, args.baseline):44} {h['short_ttft_max_s']:>9.3f}s {sent:>7} {h['long_e2e_s']:>7.2f}s "
               f"{m['ttft_p50_s']:>8.3f} / {m['ttft_p99_s']:.3f}s {m['e2e_p99_s']:>6.2f}s {m['tokens_per_s']:>11.0f} "
               + " ".join(f"{t['tokens_per_s']:>11.0f}" for t in r["throughput"]))
     report = goals(rows)
     print("short TTFT: the slowest of the six; sent at: after the long one started (! = it had ended before a "
           "short one's first token)")
     print("\n".join(report))
-    write_json(HERE / "results" / "serve_bench.json", {"cpus": cpus(), "baseline": args.baseline, "rows": rows,
-                                                       "goals": report})
+    suffix = "" if args.model == "demo" else f"_{Path(args.model).name}"
+    write_json(HERE / "results" / f"serve_bench{suffix}.json", {"cpus": cpus(), "baseline": args.baseline,
+                                                                "model": args.model, "rows": rows, "goals": report})
 
 
 if __name__ == "__main__":

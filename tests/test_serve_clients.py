@@ -362,6 +362,29 @@ def test_metrics_add_up_during_a_load(server, unsharded):
     assert after["autotp:num_requests_running"] == 0 and after["autotp:num_requests_waiting"] == 0
 
 
+def test_an_editor_resending_its_file_with_a_few_characters_more_is_served_from_the_cache(server, unsharded):
+    """What llm-vscode and Continue do on every pause in typing: the file up to the cursor again, a few
+    characters longer. The second request's prompt comes from the first one's cached blocks (/metrics counts
+    them), and its completion is the unsharded model's."""
+    _, tok = unsharded
+    file = "".join(fim_model.CORPUS[:6])  # 88 tokens of code (5 full blocks of 16) in a context of 128
+    before = metrics(server)
+    server.client.completions.create(model=server.model_id, prompt=file, max_tokens=8, temperature=0)
+    typed = file + "def sub(a"
+    again = server.client.completions.create(model=server.model_id, prompt=typed, max_tokens=16, temperature=0)
+    after = metrics(server)
+    queried = after["autotp:prefix_cache_queries_total"] - before.get("autotp:prefix_cache_queries_total", 0)
+    hits = after["autotp:prefix_cache_hits_total"] - before.get("autotp:prefix_cache_hits_total", 0)
+    first, second = len(tok(file).input_ids), len(tok(typed).input_ids)
+    assert queried == first + second
+    # the second prompt's full blocks that the first prompt's tokens filled (its last token may be
+    # tokenized differently once characters follow it)
+    pairs = zip(tok(file).input_ids + [-1], tok(typed).input_ids, strict=False)
+    shared = next(i for i, (a, b) in enumerate(pairs) if a != b)
+    assert hits >= (shared // 16) * 16 - 16 and hits >= 64, (hits, shared)
+    assert again.choices[0].text == greedy(unsharded, typed, 16)[1]
+
+
 # --- what must not break the server ---
 
 def test_a_413_reaches_a_client_that_writes_its_whole_body_first(server):

@@ -1,9 +1,10 @@
 """The server's budgets at start-up: what one cached token costs on each rank, and how many fit.
 
-A token's cache bytes are measured, not derived from the config: every rank prefills two tokens into a
-fresh HF cache and divides its size by two, so per-rank KV heads (replicated where KV heads < tp),
-multi-query, sliding windows (counted as if full) and the dtype are all what the model really stores.
-The same forward checks that the model's cache is one `serve/kv.py` can edit.
+A token's cache bytes are measured, not derived from the config, so per-rank KV heads (replicated where
+KV heads < tp), multi-query, sliding windows (counted as if full) and the dtype are all what the model
+really stores: the paged engine's probe forward (paged.probe) records every layer's keys; for the padded
+engine, `token_bytes` prefills two tokens into a fresh HF cache and divides its size by two, a forward
+that also checks that the model's cache is one `serve/kv.py` can edit.
 
 Without `--kv-cache-memory`, the cache may use a fraction of what this rank has free once the weights
 are loaded (most of a GPU's free memory; on CPU a share of the host's available memory, split between

@@ -16,7 +16,7 @@ import torch
 
 from autotp.sampler import RowSampler, SampleError
 from autotp.serve.metrics import Metrics
-from autotp.serve.text import cut_at_stop, decode, first_stop
+from autotp.serve.text import Detokenizer, cut_at_stop, decode, first_stop
 from autotp.serve.types import Piece, Result, TokenLogprob, log
 
 
@@ -37,6 +37,7 @@ class Active:
     next: int | None = None
     done: bool = False  # finished, failed or answered: leaves at the next step
     last: float | None = None  # when its last token came out (metrics)
+    text: Detokenizer | None = None  # its text so far, where it is needed at every token (stop strings, streams)
 
     def fail(self, status: int, message: str) -> None:
         """Answer the job with an error; the row leaves at the next step."""
@@ -138,8 +139,13 @@ class Output:
             a.last = self.metrics.token(job.arrived, a.last)
         try:
             watched = bool(row.stop) or job.stream is not None  # text needed at every token, not only the last
-            text = decode(self.tokenizer, a.tokens) if watched else ""
-            stopped_by = first_stop(text, row.stop) if row.stop else ""
+            text = stopped_by = ""
+            if watched:
+                if a.text is None:
+                    a.text = Detokenizer(self.tokenizer)
+                checked = len(a.text.text)
+                text = a.text.add(token)
+                stopped_by = first_stop(text, row.stop, checked) if row.stop else ""
             if token in self.eos or stopped_by:
                 reason = "stop"
             elif len(a.tokens) >= row.max_tokens:
@@ -147,7 +153,7 @@ class Output:
             else:
                 a.next, reason = token, ""
             if reason:
-                text = cut_at_stop(text if watched else decode(self.tokenizer, a.tokens), row.stop)[0]
+                text = cut_at_stop(a.text.final() if watched else decode(self.tokenizer, a.tokens), row.stop)[0]
             if job.stream is not None:
                 delta = job.stream.delta(text, final=bool(reason))
                 job.emit(("token", job.index, Piece(token, delta, token in self.special, logprob)))

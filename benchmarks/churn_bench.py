@@ -1,0 +1,94 @@
+"""Rows joining and leaving a decoding batch: does it cost a copy of the KV cache?
+
+In one process (tp 1, no HTTP), `--rows` rows of an `--context`-token prompt decode greedily. Steady: the
+same rows for `--steps` steps. Churn: every step the oldest row is cancelled (it leaves at the next step)
+and a new row arrives whose prompt is the same cached prompt, so in the paged engine it computes one
+token, as a decoding row does. The figure is the median step time (engine.step(), planning, the forward
+and sampling). The padded engine (`--engine padded`, the one BLOOM, Falcon and MPT use) copies every
+row's KV when one leaves and prefills a joining row's whole prompt in a forward of its own.
+
+    python benchmarks/churn_bench.py [--model demo|smollm2] [--rows 8] [--context 400] [--steps 40]
+
+Prints a table, writes benchmarks/results/churn_bench_MODEL.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from common import write_json
+from servers import model_path
+
+from autotp.serve.engine import Engine, Job, StopFlag, backend
+from autotp.serve.paged import probe
+from autotp.serve.scheduler import Limits
+from autotp.serve.types import Row
+from autotp.serve.wire import Channel
+
+HERE = Path(__file__).parent
+
+
+def engine(model, tokenizer, paged: bool, rows: int, context: int, steps: int) -> Engine:
+    limits = Limits(rows + 1, 2048, (rows + 2) * (context + 2 * steps + 16) + 2 * context)
+    batch, planner = backend(model, probe(model)[0] if paged else None, limits)
+    return Engine(batch, tokenizer, Channel(), StopFlag(), limits, 256, planner=planner)
+
+
+def measure(model, tokenizer, paged: bool, churn: bool, rows: int, context: int, steps: int) -> float:
+    prompt = tuple(torch.randint(0, model.config.vocab_size, (context,), generator=torch.Generator().manual_seed(0))
+                   .tolist())
+    eng = engine(model, tokenizer, paged, rows, context, steps)
+    jobs = []
+
+    def submit():
+        jobs.append(Job(Row(prompt, 10 * steps, 0.0, 1.0, 0), 0, lambda e: None))
+        eng.submit([jobs[-1]])
+
+    for _ in range(rows):
+        submit()
+    while len(eng.active) < rows or any(not a.tokens for a in eng.active.values()):  # every row prefilled
+        eng.step()
+    times = []
+    for _ in range(steps):
+        if churn:
+            next(j for j in jobs if not j.cancelled).cancelled = True
+            submit()
+        t0 = time.perf_counter()
+        eng.step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="demo")
+    parser.add_argument("--rows", type=int, default=8)
+    parser.add_argument("--context", type=int, default=400)
+    parser.add_argument("--steps", type=int, default=40)
+    args = parser.parse_args()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = model_path(args.model)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    out = {}
+    with torch.inference_mode():
+        for name, paged in (("paged", True), ("padded", False)):
+            for churn in (False, True):
+                out[f"{name}_{'churn' if churn else 'steady'}_s"] = measure(model, tokenizer, paged, churn, args.rows,
+                                                                           args.context, args.steps)
+    print(f"{args.model}, {args.rows} rows of {args.context} tokens, tp 1, {torch.get_num_threads()} threads: "
+          f"median step time over {args.steps} steps")
+    print(f"{'engine':8} {'steady':>9} {'churn':>9} {'churn / steady':>15}")
+    for name in ("paged", "padded"):
+        steady, churn = out[f"{name}_steady_s"], out[f"{name}_churn_s"]
+        print(f"{name:8} {steady * 1e3:7.1f}ms {churn * 1e3:7.1f}ms {churn / steady:15.2f}")
+    write_json(HERE / "results" / f"churn_bench_{Path(args.model).name}.json", {**vars(args), **out})
+
+
+if __name__ == "__main__":
+    main()
