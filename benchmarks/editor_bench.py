@@ -9,7 +9,7 @@ still running is cancelled (the connection dropped), as editors do. The pauses a
 requests that saw one, how many saw one, and how many completions arrived whole before the user typed
 again ("in time").
 
-Prefix sweep. A prompt of P tokens is sent once (1 token), then the same prompt with 8 more tokens: its
+Prefix sweep. A prompt of P tokens (text) is sent once (1 token), then the same text with 8 more tokens: its
 time to first token, the median of `--repeats`, for P from 128 up: with prefix caching the second
 request computes only its new tokens, so its time should not grow with P.
 
@@ -132,10 +132,11 @@ async def sweep(url: str, tokenizer, lengths: list[int], repeats: int) -> list[d
         for length in lengths:
             times = []
             for r in range(repeats):
-                base = ids[r * 7:r * 7 + length]  # a new prefix each repeat: nothing cached before its first send
+                at = r * 7 + length  # a new prefix each repeat: nothing cached before its first send
+                base = tokenizer.decode(ids[r * 7:at])
                 await client.completions.create(model=model, prompt=base, max_tokens=1, temperature=0)
                 t0 = time.monotonic()
-                stream = await client.completions.create(model=model, prompt=base + ids[r * 7 + length:][:8],
+                stream = await client.completions.create(model=model, prompt=base + tokenizer.decode(ids[at:at + 8]),
                                                          max_tokens=1, temperature=0, stream=True)
                 first = None
                 async for chunk in stream:

@@ -122,9 +122,12 @@ def test_generate_errors_are_one_line_from_rank_0(checkpoint, args, message):
 def test_generate_errors_in_a_single_process(tmp_path):
     out = autotp("generate", "--model", str(tmp_path / "nope"), "--input-ids", "1")
     assert out.returncode == 2 and error_lines(out.stderr) == [
-        f"autotp: error: model '{tmp_path / 'nope'}' is not a directory"]
+        f"autotp: error: --model '{tmp_path / 'nope'}' is not a directory"]
     out = autotp("generate", "--model", str(STARCODER), "--input-ids", "1")
     assert out.returncode == 2 and "no model.safetensors or model.safetensors.index.json" in out.stderr
+    out = autotp("generate", "--model", str(STARCODER), "--tokenizer", "/nonexistent/dir", "--prompt", "x")
+    assert out.returncode == 2 and error_lines(out.stderr) == [
+        "autotp: error: --tokenizer '/nonexistent/dir' is not a directory"]  # the flag that named it
 
 
 def test_bad_flags_are_one_line(checkpoint):

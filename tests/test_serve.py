@@ -411,6 +411,7 @@ def test_a_dead_rank_gets_503_and_the_server_exits(model_dir, tmp_path):
     (["--port", "BUSY"], "cannot listen on 127.0.0.1:"),
     (["--max-num-seqs", "32", "--max-num-batched-tokens", "16"],
      "--max-num-batched-tokens 16 is less than --max-num-seqs 32"),
+    (["--tokenizer", "/nonexistent/dir"], "--tokenizer '/nonexistent/dir' is not a directory"),
     (["--kv-cache-memory", "300B"], "--kv-cache-memory 300 bytes holds 1 cached tokens at 256 bytes each: a "
                                     "request needs at least 2"),
     (["--kv-cache-memory", "3000B"], "--kv-cache-memory 3000 bytes holds 11 cached tokens at 256 bytes each: the "

@@ -122,6 +122,10 @@ def test_inference_client_sampling_stop_and_errors(server):
     out = client.text_generation(PROMPT, max_new_tokens=16, stop=[stop], details=True, return_full_text=False)
     assert out.generated_text == full[:full.find(stop)] + stop  # TGI keeps the stop sequence
     assert out.details.finish_reason == "stop_sequence"
+    streamed = list(client.text_generation(PROMPT, max_new_tokens=16, stop=[stop], stream=True, details=True,
+                                           return_full_text=False))
+    # what huggingface_hub's streaming users and Continue's TGI provider build: the tokens' texts joined
+    assert "".join(s.token.text for s in streamed) == streamed[-1].generated_text == out.generated_text
     with pytest.raises(ValidationError, match="temperature must be strictly positive"):
         client.text_generation(PROMPT, max_new_tokens=4, temperature=0.0)
     with pytest.raises(ValidationError, match="context"):

@@ -89,7 +89,7 @@ def _tokenizer(args, model_dir):
 
     needed = args.tokenizer or args.prompt is not None
     missing = "cannot load a tokenizer from {source} ({cause}): give --tokenizer, or the prompt as --input-ids"
-    source = resolve_model_dir(args.tokenizer, TOKENIZER_FILES) if args.tokenizer else model_dir
+    source = resolve_model_dir(args.tokenizer, TOKENIZER_FILES, flag="--tokenizer") if args.tokenizer else model_dir
     return load_tokenizer(str(source), missing if needed else None)
 
 
@@ -118,7 +118,7 @@ def cmd_generate(args) -> int:
         raise AutotpError("give exactly one of --prompt and --input-ids")
     sampling = _sampling(args)
     distributed.init(args.device)  # first: a hub id is downloaded once per node, the other ranks wait
-    model_dir = resolve_model_dir(args.model or default_model())
+    model_dir = resolve_model_dir(args.model or default_model(), flag="--model")
     config = load_config(model_dir)  # before AutoTokenizer, which reads config.json too and fails on a bad one
     tokenizer = _tokenizer(args, model_dir)
     if args.suffix is not None:
@@ -158,12 +158,13 @@ def cmd_generate(args) -> int:
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, but a bad flag is one line (rank 0 only: every rank parses the same argv) and exit 2."""
+    """argparse, but a bad flag is one line, said once (distributed.fail: rank 0 says it; every rank parses the
+    same argv, and under torchrun the others wait for rank 0 to have said it before they exit) and exit 2."""
 
     def error(self, message: str):
-        if int(os.environ.get("RANK", 0)) == 0:  # the launcher's rank: flags are parsed before any process group
-            print(f"autotp: error: {self.prog}: {message}", file=sys.stderr, flush=True)
-        raise SystemExit(2)
+        from autotp import distributed  # torch only on this path: --help and good flags stay instant
+
+        raise SystemExit(distributed.fail(f"{self.prog}: {message}", code=2))
 
 
 def cmd_serve(args) -> int:

@@ -26,6 +26,9 @@ RENDEZVOUS_TIMEOUT_S = 300  # how long rank 0 waits for the others to start (AUT
 WAIT_NOTICE_S = 5  # after this, rank 0 says what it is waiting for
 # fail()'s fallback: a rank that posts its failure and hears nothing from rank 0 for this long speaks itself
 FAILURE_WAIT_S = 5
+# ... and for a failure of the command line, which rank 0 is certain to have too (it parses the same argv):
+# long enough for a rank 0 that a busy machine holds back
+COMMAND_LINE_WAIT_S = 60
 
 
 @dataclass(frozen=True)
@@ -268,11 +271,13 @@ def fail(message: str, code: int = 1) -> int:
 
     Rank 0 always says its own: `autotp: error: MESSAGE`. Another rank says `autotp: error on rank N:
     MESSAGE` unless rank 0 has the same failure, and that is decided, not waited out:
-    - before this process called `init`, a failure comes from the command line, which every rank parses
-      alike: rank 0 says it (as for argparse's errors, cli.Parser). A rank that fails in `init`, before a
-      group exists (its device, or it cannot reach rank 0), says so itself.
     - in a process group, rank 0 posts its message to the group's store and every other failing rank reads
       it there: the same message, it stays silent; another, it speaks.
+    - before this process called `init`, a failure comes from the command line, which every rank parses
+      alike: rank 0 says it. Under torchrun the other ranks wait for it in torchrun's own store (its agent
+      hosts it before any rank starts) before they exit: a rank that exits first would have torchrun stop
+      rank 0 before it said anything. Without torchrun's store they exit silently. A rank that fails in
+      `init`, before a group exists (its device, or it cannot reach rank 0), says so itself.
     Fallback, bounded in time: a rank that reads nothing from rank 0 within FAILURE_WAIT_S speaks, since
     rank 0 has not failed (it waits for this rank in a collective, or is still working; torchrun stops it
     once this rank exits). A rank 0 whose process hosts the store (a launch without torchrun) waits as long
@@ -280,11 +285,15 @@ def fail(message: str, code: int = 1) -> int:
     """
     me = rank()
     store = key = None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     if dist.is_initialized() and dist.get_world_size() > 1:
         store = dist.distributed_c10d._get_default_store()
-        key = f"autotp/failure/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_PROCESS.failures}"
+        key = f"autotp/failure/{attempt}/{_PROCESS.failures}"
         _PROCESS.failures += 1
         speak = me == 0 or _differs_from_rank_0(store, key, me, message)
+    elif not _PROCESS.joining and (store := _launcher_store()) is not None:
+        key = f"autotp/command-line/{attempt}"
+        speak = me == 0 or _differs_from_rank_0(store, key, me, message, COMMAND_LINE_WAIT_S)
     else:
         speak = me == 0 or _PROCESS.joining
     if speak:
@@ -300,10 +309,22 @@ def fail(message: str, code: int = 1) -> int:
     return code
 
 
-def _differs_from_rank_0(store, key: str, me: int, message: str) -> bool:
-    """Whether rank 0 failed otherwise than `message`, or posted nothing within FAILURE_WAIT_S, or its store is
-    gone; rank 0 hears that this rank has read its message."""
-    if not _wait_for(store, [f"{key}/0"]):
+def _launcher_store():
+    """A client of torchrun's own store, which its agent hosts at MASTER_ADDR:MASTER_PORT for the whole run
+    (TORCHELASTIC_USE_AGENT_STORE), or None: not under torchrun with more than one rank, or unreachable."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return None
+    try:
+        return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                             timeout=timedelta(seconds=FAILURE_WAIT_S))
+    except (KeyError, ValueError, RuntimeError):
+        return None
+
+
+def _differs_from_rank_0(store, key: str, me: int, message: str, wait_s: float = FAILURE_WAIT_S) -> bool:
+    """Whether rank 0 failed otherwise than `message`, or posted nothing within wait_s, or its store is gone;
+    rank 0 hears that this rank has read its message."""
+    if not _wait_for(store, [f"{key}/0"], wait_s):
         return True
     try:
         theirs = store.get(f"{key}/0").decode()
@@ -313,10 +334,10 @@ def _differs_from_rank_0(store, key: str, me: int, message: str) -> bool:
     return theirs != message
 
 
-def _wait_for(store, keys: list[str]) -> bool:
-    """Whether `keys` were all set within FAILURE_WAIT_S."""
+def _wait_for(store, keys: list[str], wait_s: float = FAILURE_WAIT_S) -> bool:
+    """Whether `keys` were all set within wait_s."""
     try:
-        store.wait(keys, timedelta(seconds=FAILURE_WAIT_S))
+        store.wait(keys, timedelta(seconds=wait_s))
     except RuntimeError:  # timed out, or the store went with rank 0's process
         return False
     return True

@@ -37,13 +37,14 @@ STALL_TIMEOUT_S = 300  # no new byte for this long: the download is stuck (AUTOT
 BEAT_S = 0.5  # how often the downloader publishes its byte count, and waiters look
 
 
-def resolve_model_dir(model: str | os.PathLike, patterns: list[str] = WEIGHT_FILES) -> Path:
-    """A local directory as is; otherwise a hub id, fetched (the files matching `patterns`) once per node."""
+def resolve_model_dir(model: str | os.PathLike, patterns: list[str] = WEIGHT_FILES, flag: str = "model") -> Path:
+    """A local directory as is; otherwise a hub id, fetched (the files matching `patterns`) once per node.
+    flag: what named it, for the error (the CLI's --model or --tokenizer)."""
     path = Path(model)
     if path.is_dir():
         return path
     if path.exists() or str(model).count("/") > 1 or str(model).startswith((".", "/", "~")):
-        raise AutotpError(f"model {str(model)!r} is not a directory")
+        raise AutotpError(f"{flag} {str(model)!r} is not a directory")
     store = dist.distributed_c10d._get_default_store() if distributed.world_size() > 1 else None
     if store is None:
         return _fetch(str(model), patterns)

@@ -39,6 +39,25 @@ class RowSampler:
         if params.temperature > 0:
             self.generator = torch.Generator(device=device).manual_seed(params.seed)
 
+    def warp(self, scores: torch.Tensor) -> torch.Tensor:
+        """scores (vocab,) -> the logits the draw's softmax takes, -inf where top-k or top-p exclude a token:
+        transformers' TemperatureLogitsWarper, TopKLogitsWarper and TopPLogitsWarper (min_tokens_to_keep 1),
+        operation for operation, so the same scores give the same distribution bit for bit, ties and top-p
+        boundaries included (tests/test_sampler_oracle.py). Temperatures below sampling.GREEDY_BELOW never
+        reach here (greedy), so scores / temperature stays finite."""
+        p = self.params
+        logits = scores.float() / p.temperature
+        if 0 < p.top_k:
+            kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if p.top_p < 1:
+            # nucleus: ascending, drop the tokens whose cumulative probability is <= 1 - top_p, keep the likeliest
+            ordered, order = torch.sort(logits, descending=False)
+            drop = ordered.softmax(dim=-1).cumsum(dim=-1) <= (1 - p.top_p)
+            drop[-1] = False
+            logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
+        return logits
+
     def pick(self, scores: torch.Tensor) -> int:
         """The next token; SampleError when the scores cannot give one."""
         top = scores.max().float()  # NaN anywhere makes the max NaN
@@ -46,21 +65,7 @@ class RowSampler:
             raise SampleError(f"the model's scores for this prompt are not finite (max {top.item()})")
         if self.generator is None:
             return int(scores.argmax())
-        p = self.params
-        # minus the max first: the largest score becomes 0 and a small temperature can only push the others
-        # towards -inf (probability 0), never the largest to inf (NaN after the softmax)
-        logits = (scores.float() - top) / p.temperature
-        if 0 < p.top_k < logits.numel():
-            kth = logits.topk(p.top_k).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        if p.top_p < 1:
-            # nucleus: keep the most likely tokens whose mass before them is < top_p, and always the first
-            # (a top_p below float32's smallest number, 5e-324, is 0 in the comparison)
-            sorted_probs, order = probs.sort(descending=True)
-            drop = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p
-            drop[0] = False
-            probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0))
+        probs = torch.softmax(self.warp(scores), dim=-1)
         try:
             return int(torch.multinomial(probs, 1, generator=self.generator))
         except RuntimeError as e:  # same scores, same error on every rank

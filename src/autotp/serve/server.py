@@ -148,9 +148,10 @@ def serve(model: str, model_id: str, opts: ServeOptions = ServeOptions()) -> int
     if error:
         raise AutotpError(error)
 
-    model_dir = resolve_model_dir(model)
+    model_dir = resolve_model_dir(model, flag="--model")
     config = load_config(model_dir)
-    tokenizer = load_tokenizer(resolve_model_dir(opts.tokenizer, TOKENIZER_FILES) if opts.tokenizer else model_dir,
+    tokenizer_dir = resolve_model_dir(opts.tokenizer, TOKENIZER_FILES, flag="--tokenizer") if opts.tokenizer else None
+    tokenizer = load_tokenizer(tokenizer_dir or model_dir,
                                missing="autotp serve needs a tokenizer, and none loads from {source} ({cause}): "
                                        "give --tokenizer")
     max_model_len, source = context_limit(config, tokenizer, opts.max_model_len)

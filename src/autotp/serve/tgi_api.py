@@ -204,13 +204,17 @@ class Generation:
         for n, piece in enumerate(ready):
             entry = piece.logprob
             self.sent += 1
-            event = {"index": self.sent, "token": {"id": piece.id, "text": piece.text,
+            last = result is not None and n == len(ready) - 1
+            # TGI keeps the stop sequence in generated_text, so the tokens' texts must join to it too: the
+            # stream held it back (it might have been one), and the last token releases it
+            text = piece.text + (result.stopped_by if last else "")
+            event = {"index": self.sent, "token": {"id": piece.id, "text": text,
                                                    "logprob": entry.logprob if entry else None,
                                                    "special": piece.special},
                      "generated_text": None, "details": None}
             if self.top_n and entry is not None:
                 event["top_tokens"] = self._top(entry, set(self.served.tokenizer.all_special_ids))
-            if result is not None and n == len(ready) - 1:
+            if last:
                 event["generated_text"] = self._text(result)
                 if self.details:
                     reason = "stop_sequence" if result.stopped_by else FINISH[result.finish_reason]
