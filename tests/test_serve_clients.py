@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import fim_model
@@ -387,6 +388,28 @@ def test_an_editor_resending_its_file_with_a_few_characters_more_is_served_from_
     shared = next(i for i, (a, b) in enumerate(pairs) if a != b)
     assert hits >= (shared // 16) * 16 - 16 and hits >= 64, (hits, shared)
     assert again.choices[0].text == greedy(unsharded, typed, 16)[1]
+
+
+def test_every_answered_error_is_counted_once_under_the_status_the_client_got(server):
+    """What an operator's dashboard sums: TGI's 422 (was counted as 400), and the refusals made before the API
+    (Host, media type, size) and unknown paths (were not counted at all), each once."""
+    before = metrics(server)
+    sent = [server.post({"inputs": PROMPT, "parameters": {"temperature": 0}}, "/generate")[0],  # TGI validation
+            server.post({"model": server.model_id, "prompt": "x", "max_tokens": -1})[0],  # OpenAI validation
+            server.post({"model": server.model_id, "prompt": "x"}, Host="evil.example")[0],
+            server.post(b"{}", **{"Content-Type": "text/plain"})[0],
+            server.post({"model": server.model_id, "prompt": "x"}, "/v1/nowhere")[0]]
+    request = urllib.request.Request(server.url + "/v1/completions", data=b"x" * (2**21 + 1),
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as too_large:
+        urllib.request.urlopen(request, timeout=30)
+    sent.append(too_large.value.code)
+    assert sent == [422, 400, 400, 415, 404, 413]
+    after = metrics(server)
+    grew = {code: after.get(f"autotp:request_errors_total{{status={code}}}", 0) - before.get(
+        f"autotp:request_errors_total{{status={code}}}", 0) for code in (400, 404, 413, 415, 422)}
+    assert grew == {400: 2, 404: 1, 413: 1, 415: 1, 422: 1}
+    assert re.search(r"^autotp serve: tgi-\w+ status=422 ", server.text(), re.M)  # the log says what was sent
 
 
 # --- what must not break the server ---

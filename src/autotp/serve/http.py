@@ -43,8 +43,8 @@ def _sse(item: dict | str) -> str:
 class Call:
     """One request in flight: its jobs, the events the engine sends them, and its log line."""
 
-    def __init__(self, cid: str, start: float, parsed: Parsed, metrics: Metrics):
-        self.cid, self.start, self.parsed, self.metrics = cid, start, parsed, metrics
+    def __init__(self, cid: str, start: float, parsed: Parsed, metrics: Metrics, tgi: bool = False):
+        self.cid, self.start, self.parsed, self.metrics, self.tgi = cid, start, parsed, metrics, tgi
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue[tuple] = asyncio.Queue()
         self.jobs = [Job(row, i, self.emit, TextStream(row.stop) if parsed.stream else None, cid, arrived=start)
@@ -66,17 +66,39 @@ class Call:
             job.cancelled = job.index not in self.results
 
     def log(self, status: int, error: str = "") -> None:
-        log_request(self.cid, status, self.start, self.metrics, self.parsed.prompt_tokens,
-                    list(self.results.values()), error)
+        log_request(self.cid, status, self.start, self.parsed.prompt_tokens, list(self.results.values()), error)
+
+    def refuse(self, error: ApiError) -> ApiError:
+        """Log the error under the status its protocol answers it with (TGI: 422, 424), and return it."""
+        self.log(tgi_api.status(error) if self.tgi else error.status, error.message)
+        return error
 
 
-def log_request(cid: str, status: int, start: float, metrics: Metrics, prompt_tokens: int = 0, results=(),
-                error: str = "") -> None:
-    metrics.answered(status)
+def log_request(cid: str, status: int, start: float, prompt_tokens: int = 0, results=(), error: str = "") -> None:
     generated = sum(r.completion_tokens for r in results)
     line = (f"{cid} status={status} prompt_tokens={prompt_tokens} generated_tokens={generated} "
             f"latency={time.monotonic() - start:.3f}s")
     log(f"{line} error={clip(error)!r}" if error else line)
+
+
+class CountAnswers:
+    """ASGI middleware: every response's status as it is sent, once (/metrics' request_errors_total counts
+    the errors): the API's 4xx/5xx in each protocol's own code (TGI's 422 and 424), the guard's refusals
+    (401, 400 Host, 413, 415), unknown paths, and 499 for a client that left before its answer."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def counted(message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.answered(message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counted)
 
 
 async def _watch_disconnect(request: Request, call: Call) -> None:
@@ -91,6 +113,7 @@ def build_app(served: Served, engine: Engine, metrics: Metrics, max_body_bytes: 
               allowed_hosts: frozenset[str] | None, api_key: str | None) -> FastAPI:
     app = FastAPI(title="autotp serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(Guard, allowed_hosts=allowed_hosts, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(CountAnswers, metrics=metrics)  # outside the guard: its refusals are answers too
     # one thread: requests are parsed in arrival order, and HF fast tokenizers are not meant for
     # concurrent calls ("Already borrowed"); the engine decodes with a copy of its own
     parser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="autotp-parse")
@@ -119,27 +142,25 @@ def build_app(served: Served, engine: Engine, metrics: Metrics, max_body_bytes: 
             raw = await read_body(request)
             return await asyncio.get_running_loop().run_in_executor(parser, parse_fn, raw, served)
         except ApiError as e:
-            log_request(cid, e.status, start, metrics, error=e.message)
+            log_request(cid, tgi_api.status(e) if tgi_api.is_tgi(request.url.path) else e.status, start,
+                        error=e.message)
             raise
 
     async def answer(request: Request, prefix: str, parse_fn):
         """Check the request, queue its rows, and answer: whole, or as server-sent events."""
         cid, start = f"{prefix}-{uuid.uuid4().hex[:24]}", time.monotonic()
         parsed = await parse(request, cid, start, parse_fn)
-        call = Call(cid, start, parsed, metrics)
+        call = Call(cid, start, parsed, metrics, tgi_api.is_tgi(request.url.path))
         if len(call.jobs) > engine.max_queue:
-            call.log(400, "more rows than the queue holds")
-            raise ApiError(400, f"{len(call.jobs)} prompts and choices in one request exceed the queue of "
-                                f"{engine.max_queue} (--max-queue)", param="prompt")
+            raise call.refuse(ApiError(400, f"{len(call.jobs)} prompts and choices in one request exceed the queue "
+                                            f"of {engine.max_queue} (--max-queue)", param="prompt"))
         admitted = engine.submit(call.jobs)
         if admitted == "full":
-            call.log(429, "queue full")
-            raise ApiError(429, f"the server is busy: {engine.max_queue} prompts are waiting already (--max-queue); "
-                                f"retry later", type="requests", code="rate_limit_exceeded",
-                           headers={"Retry-After": str(RETRY_AFTER_S)})
+            raise call.refuse(ApiError(429, f"the server is busy: {engine.max_queue} prompts are waiting already "
+                                            f"(--max-queue); retry later", type="requests", code="rate_limit_exceeded",
+                                       headers={"Retry-After": str(RETRY_AFTER_S)}))
         if admitted == "closed":
-            call.log(503, "shutting down")
-            raise ApiError(503, "the server is shutting down", type="server_error")
+            raise call.refuse(ApiError(503, "the server is shutting down", type="server_error"))
         if parsed.stream:
             return StreamingResponse(_stream(call), media_type="text/event-stream")
         await _collect(request, call)
@@ -205,8 +226,7 @@ async def _collect(request: Request, call: Call) -> None:
                 continue
             kind, index, payload = event.result()
             if kind == "error":
-                call.log(payload[0], payload[1])
-                raise engine_error(*payload)
+                raise call.refuse(engine_error(*payload))
             if kind == "done":
                 call.results[index] = payload
     finally:
@@ -242,6 +262,7 @@ async def _stream(call: Call):
     finally:
         if status != 200:
             call.cancel_unfinished()
+            call.metrics.answered(status)  # its 200 went out first: the stream's own end is what it got
         call.log(status, error)
 
 

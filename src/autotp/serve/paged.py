@@ -114,8 +114,10 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # (tokens, heads, head_dim)
     if layout.decode is not None:
         q = query[0, :, layout.decode, :].transpose(0, 1)[:, :, None]  # (rows, heads, 1, head_dim)
-        k = keys[layout.decode_slots].transpose(1, 2)  # (rows, kv_heads, longest, head_dim)
-        v = values[layout.decode_slots].transpose(1, 2)
+        rows, longest = layout.decode_slots.shape
+        flat = layout.decode_slots.flatten()  # index_select: 5x faster than indexing with a tensor on CPU
+        k = keys.index_select(0, flat).view(rows, longest, *keys.shape[1:]).transpose(1, 2)  # (rows, kv, L, d)
+        v = values.index_select(0, flat).view(rows, longest, *values.shape[1:]).transpose(1, 2)
         mask = layout.decode_mask
         if sliding_window is not None:
             cols = torch.arange(k.shape[2], device=k.device)
@@ -124,7 +126,7 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
         out[layout.decode] = o[:, :, 0]
     for a, b, slots, start in layout.prefill:
         q = query[:, :, a:b]  # (1, heads, n, head_dim)
-        k, v = keys[slots].transpose(0, 1)[None], values[slots].transpose(0, 1)[None]
+        k, v = keys.index_select(0, slots).transpose(0, 1)[None], values.index_select(0, slots).transpose(0, 1)[None]
         cols = torch.arange(len(slots), device=q.device)
         rows = torch.arange(start, start + b - a, device=q.device)[:, None]
         mask = _window(cols <= rows, cols, rows, sliding_window)
