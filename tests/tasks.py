@@ -90,9 +90,9 @@ def die_while_generating(model_dir: str, victim: int, out: str, at_forward: int 
         json.dump(outcome | {"forwards": len(calls)}, f)
 
 
-def report_failure(messages: list[str], rank0_late_s: float = 0.0) -> list[str]:
-    """`autotp.distributed.fail(messages[rank])` on every rank as the CLI calls it, rank 0 `rank0_late_s` after the
-    others: the lines this rank printed."""
+def report_failure(messages: list[str], rank0_late_s: float = 0.0, symptoms: list[bool] | None = None) -> list[str]:
+    """`autotp.distributed.fail(messages[rank], symptom=symptoms[rank])` on every rank as the CLI calls it, rank 0
+    `rank0_late_s` after the others: the lines this rank printed."""
     import contextlib
     import io
     import time
@@ -103,7 +103,8 @@ def report_failure(messages: list[str], rank0_late_s: float = 0.0) -> list[str]:
         time.sleep(rank0_late_s)
     printed = io.StringIO()
     with contextlib.redirect_stderr(printed):
-        assert distributed.fail(messages[dist.get_rank()], code=2) == 2
+        symptom = bool(symptoms and symptoms[dist.get_rank()])
+        assert distributed.fail(messages[dist.get_rank()], code=2, symptom=symptom) == 2
     return printed.getvalue().splitlines()
 
 

@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         # Bad input fails alike on every rank, whether autotp's checks or transformers notice it: rank 0 says
         # it, and another rank only a failure rank 0 does not share (distributed.fail decides which, through
         # the process group's store)
-        return distributed.fail(message, code=code)
+        return distributed.fail(message, code=code, symptom=distributed.peer_lost(e))
     finally:
         distributed.shutdown()
 

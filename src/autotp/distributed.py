@@ -266,22 +266,26 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-def fail(message: str, code: int = 1) -> int:
+def fail(message: str, code: int = 1, symptom: bool = False) -> int:
     """Say this rank's failure in one line on stderr, once however many ranks have it; returns `code`.
+    symptom: the failure is a peer that went away (`peer_lost`), the effect of another rank's failure.
 
-    Rank 0 always says its own: `autotp: error: MESSAGE`. Another rank says `autotp: error on rank N:
-    MESSAGE` unless rank 0 has the same failure, and that is decided, not waited out:
+    Rank 0 says its own: `autotp: error: MESSAGE`. Another rank says `autotp: error on rank N: MESSAGE`
+    unless rank 0 has the same failure, and that is decided, not waited out:
     - in a process group, rank 0 posts its message to the group's store and every other failing rank reads
-      it there: the same message, it stays silent; another, it speaks.
+      it there: the same message, or a symptom of rank 0's failure, it stays silent; another, it speaks.
     - before this process called `init`, a failure comes from the command line, which every rank parses
       alike: rank 0 says it. Under torchrun the other ranks wait for it in torchrun's own store (its agent
       hosts it before any rank starts) before they exit: a rank that exits first would have torchrun stop
       rank 0 before it said anything. Without torchrun's store they exit silently. A rank that fails in
       `init`, before a group exists (its device, or it cannot reach rank 0), says so itself.
-    Fallback, bounded in time: a rank that reads nothing from rank 0 within FAILURE_WAIT_S speaks, since
-    rank 0 has not failed (it waits for this rank in a collective, or is still working; torchrun stops it
-    once this rank exits). A rank 0 whose process hosts the store (a launch without torchrun) waits as long
-    at most for the other ranks to have read its message before it exits and takes the store with it.
+    Fallback, bounded in time: a rank that reads nothing from rank 0 within FAILURE_WAIT_S claims the line
+    (rank 0 waits for it in a collective, or is slower to reach the same failure; torchrun stops it once this
+    rank exits): the first rank to claim it speaks, and a later one, rank 0 included, only with another
+    failure that is no symptom of the first. So one failure is one line, whichever rank is slow, and a rank
+    that fails alone is named once, without its peers' "connection closed" after it. A rank 0 whose process
+    hosts the store (a launch without torchrun) waits as long at most for the other ranks to have read its
+    message before it exits and takes the store with it.
     """
     me = rank()
     store = key = None
@@ -290,10 +294,10 @@ def fail(message: str, code: int = 1) -> int:
         store = dist.distributed_c10d._get_default_store()
         key = f"autotp/failure/{attempt}/{_PROCESS.failures}"
         _PROCESS.failures += 1
-        speak = me == 0 or _differs_from_rank_0(store, key, me, message)
+        speak = _speaks(store, key, me, message, symptom, FAILURE_WAIT_S)
     elif not _PROCESS.joining and (store := _launcher_store()) is not None:
         key = f"autotp/command-line/{attempt}"
-        speak = me == 0 or _differs_from_rank_0(store, key, me, message, COMMAND_LINE_WAIT_S)
+        speak = _speaks(store, key, me, message, symptom, COMMAND_LINE_WAIT_S)
     else:
         speak = me == 0 or _PROCESS.joining
     if speak:
@@ -321,17 +325,49 @@ def _launcher_store():
         return None
 
 
-def _differs_from_rank_0(store, key: str, me: int, message: str, wait_s: float = FAILURE_WAIT_S) -> bool:
-    """Whether rank 0 failed otherwise than `message`, or posted nothing within wait_s, or its store is gone;
-    rank 0 hears that this rank has read its message."""
+def peer_lost(e: BaseException) -> bool:
+    """Whether a failure is a collective that lost its peer (gloo's "Connection closed by peer" or "reset by
+    peer", a store or network error): the effect of another rank's exit, not a cause of its own."""
+    text = f"{type(e).__name__}: {e}"
+    return isinstance(e, dist.DistNetworkError) or any(
+        s in text for s in ("closed by peer", "reset by peer", "Broken pipe", "remote process exited"))
+
+
+def _speaks(store, key: str, me: int, message: str, symptom: bool, wait_s: float) -> bool:
+    """Whether this rank says its failure (fail's rules)."""
+    if me == 0:
+        return _claim(store, key, message, symptom)
+    heard = _rank_0_said(store, key, me, wait_s)
+    if heard is None:
+        return _claim(store, key, message, symptom)
+    return heard != message and not symptom
+
+
+def _rank_0_said(store, key: str, me: int, wait_s: float) -> str | None:
+    """Rank 0's message for this failure, or None if it posted none within wait_s (or its store is gone);
+    rank 0 hears that this rank has read it."""
     if not _wait_for(store, [f"{key}/0"], wait_s):
-        return True
+        return None
     try:
         theirs = store.get(f"{key}/0").decode()
         store.set(f"{key}/heard/{me}", "1")
     except RuntimeError:  # rank 0's store went with its process
+        return None
+    return theirs
+
+
+def _claim(store, key: str, message: str, symptom: bool) -> bool:
+    """The first rank to claim this failure's line says it; a later one only another failure, not a symptom."""
+    try:
+        if store.add(f"{key}/claim", 1) == 1:
+            store.set(f"{key}/said", message)
+            return True
+        if not _wait_for(store, [f"{key}/said"]):
+            return not symptom
+        said = store.get(f"{key}/said").decode()
+    except RuntimeError:  # the store is gone: nobody else can say it
         return True
-    return theirs != message
+    return said != message and not symptom
 
 
 def _wait_for(store, keys: list[str], wait_s: float = FAILURE_WAIT_S) -> bool:
