@@ -112,8 +112,8 @@ def test_admission_waits_for_blocks_first_come_first_served_and_running_rows_dec
     # 10 + 6 tokens: 4 blocks for its life; the second (4 + 8: 3 blocks) would need 7 of 6: it waits
     work = plan_tokens(planner, {}, [(tuple(range(10)), 7, False), (tuple(range(50, 54)), 9, False)], admitted)
     assert admitted == [0] and [(w[0], len(w[1])) for w in work] == [(100, 8)]  # the 8-token budget
-    planner.ran(planner_step(work), {100: list(range(10))})
-    rows = {100: (list(range(10)), 10)}
+    planner.ran(planner_step(work), {100: (tuple(range(10)), [])})
+    rows = {100: (tuple(range(10)), [])}
     work = plan_tokens(planner, rows, [(tuple(range(50, 54)), 9, False)], admitted)
     assert [(w[0], w[1], w[2]) for w in work] == [(100, (8, 9), 8)] and admitted == [0]
 

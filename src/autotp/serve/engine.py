@@ -217,9 +217,10 @@ class Engine:
             self.planner.ran(step, {w[0]: self._tokens(w[0]) for w in step.work})
         self.output.take(scores)
 
-    def _tokens(self, row: int) -> list[int]:
+    def _tokens(self, row: int) -> tuple[tuple[int, ...], list[int]]:
+        """A row's prompt and generated tokens (the planner reads the spans it needs, copying neither)."""
         a = self.active[row]
-        return [*a.job.row.ids, *a.tokens]
+        return a.job.row.ids, a.tokens
 
     def _unqueue(self, job: Job) -> Job:
         with self.lock:
@@ -262,7 +263,7 @@ class Engine:
         error, self.error = self.error, ""
         head = [] if self.stopping.is_set() else list(islice(self.waiting, self.limits.max_num_seqs))
         if self.planner is not None:
-            rows = {r: (self._tokens(r), len(a.job.row.ids)) for r, a in self.active.items() if not a.done}
+            rows = {r: self._tokens(r) for r, a in self.active.items() if not a.done}
             step = self.planner.plan(rows, drop, [(j.row.ids, j.row.max_tokens, j.row.prompt_logprobs) for j in head],
                                      lambda _: self._admit())
         else:

@@ -10,6 +10,7 @@ scores give its first generated one. Pure bookkeeping (no torch): the runner (ru
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from autotp.serve.blocks import BlockPool, Key
@@ -31,6 +32,12 @@ class Seq:
 
 def blocks_for(tokens: int, size: int) -> int:
     return -(-tokens // size)
+
+
+def span(prompt: Sequence[int], generated: Sequence[int], a: int, b: int) -> tuple[int, ...]:
+    """Tokens a .. b - 1 of prompt + generated, without building the whole sequence (a long prompt, every step)."""
+    p = len(prompt)
+    return tuple(prompt[a:b]) + tuple(generated[max(0, a - p):max(0, b - p)])
 
 
 class PagedPlanner:
@@ -55,8 +62,8 @@ class PagedPlanner:
         for block in seq.blocks:
             self.pool.release(block)
 
-    def plan(self, rows: dict[int, tuple[list[int], int]], drop: tuple[int, ...], waiting, join) -> Step:
-        """rows: each row still running -> (its tokens, prompt then generated, and its prompt length);
+    def plan(self, rows: dict[int, tuple[Sequence[int], Sequence[int]]], drop: tuple[int, ...], waiting, join) -> Step:
+        """rows: each row still running -> (its prompt, its generated tokens);
         waiting: the queue's jobs, oldest first, as (prompt ids, max_tokens, no_cache) each; join(i)
         admits the i-th and returns its row id. Returns the step (its `error` left for the engine)."""
         for row in drop:
@@ -64,15 +71,15 @@ class PagedPlanner:
         budget = self.limits.max_num_batched_tokens
         work = []
         # running rows first, then the prompts still being prefilled, in the order they came
-        order = sorted(rows, key=lambda r: rows[r][1] > self.seqs[r].computed)
+        order = sorted(rows, key=lambda r: len(rows[r][0]) > self.seqs[r].computed)
         for row in order:
-            tokens, prompt = rows[row]
+            prompt, generated = rows[row]
             seq = self.seqs[row]
-            n = min(len(tokens) - seq.computed, budget)
+            n = min(len(prompt) + len(generated) - seq.computed, budget)
             if n <= 0:
                 continue
             budget -= n
-            work.append(self._work(row, seq, tokens, n, prompt))
+            work.append(self._work(row, seq, prompt, generated, n))
         admitted = 0
         for prompt, max_tokens, no_cache in waiting:
             if budget <= 0 or len(rows) + admitted >= self.limits.max_num_seqs:
@@ -93,12 +100,13 @@ class PagedPlanner:
                 self.metrics.prefix(len(prompt), seq.computed)
             n = min(len(prompt) - seq.computed, budget)
             budget -= n
-            work.append(self._work(row, seq, list(prompt), n, len(prompt), new=[b for b, _ in hits]))
+            work.append(self._work(row, seq, prompt, (), n, new=[b for b, _ in hits]))
         return Step(drop=drop, work=tuple(work))
 
-    def _work(self, row: int, seq: Seq, tokens: list[int], n: int, prompt: int, new: list[int] | None = None) -> tuple:
-        """This step's entry for a row computing tokens[computed : computed + n], taking the blocks that
-        needs (after `new`, its cached prefix, when it is admitted)."""
+    def _work(self, row: int, seq: Seq, prompt: Sequence[int], generated: Sequence[int], n: int,
+              new: list[int] | None = None) -> tuple:
+        """This step's entry for a row computing its tokens computed .. computed + n - 1, taking the blocks
+        that needs (after `new`, its cached prefix, when it is admitted)."""
         start = seq.computed
         added = list(new or [])
         while len(seq.blocks) * self.pool.block_size < start + n:
@@ -106,20 +114,22 @@ class PagedPlanner:
             seq.reserved -= 1
             seq.blocks.append(block)
             added.append(block)
-        sample = start + n == len(tokens)
-        return row, tuple(tokens[start:start + n]), start, tuple(added), sample, seq.every and start < prompt
+        sample = start + n == len(prompt) + len(generated)
+        return (row, span(prompt, generated, start, start + n), start, tuple(added), sample,
+                seq.every and start < len(prompt))
 
-    def ran(self, step: Step, tokens: dict[int, list[int]]) -> None:
+    def ran(self, step: Step, tokens: dict[int, tuple[Sequence[int], Sequence[int]]]) -> None:
         """The step ran on every rank: its rows' tokens are computed, and the blocks they filled are cached.
-        tokens: each row's tokens (prompt then generated) as they were planned."""
+        tokens: each row's (prompt, generated tokens) as they were planned."""
         size = self.pool.block_size
         for row, ids, start, _, _, _ in step.work:
             seq = self.seqs.get(row)
             if seq is None:
                 continue
             seq.computed = start + len(ids)
-            known = tokens[row]
+            prompt, generated = tokens[row]
             while (len(seq.keys) + 1) * size <= seq.computed:
                 i = len(seq.keys)
                 parent = seq.keys[-1] if seq.keys else None
-                seq.keys.append(self.pool.register(seq.blocks[i], parent, tuple(known[i * size:(i + 1) * size])))
+                seq.keys.append(self.pool.register(seq.blocks[i], parent, span(prompt, generated, i * size,
+                                                                               (i + 1) * size)))

@@ -72,34 +72,44 @@ class PagedBatch:
         table = torch.tensor(self.tables[row][:-(-end // size)], device=self.device)
         return (table[:, None] * size + torch.arange(size, device=self.device)).flatten()[:end]
 
+    def _decode_slots(self, rows: list[int], starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows computing one token each, at positions `starts`: their context slots (rows, longest), the zero
+        slot where a row is shorter, and its mask (rows, longest); built at once from their block tables."""
+        size, device = self.pool.block_size, self.device
+        blocks = max(starts) // size + 1
+        table = torch.tensor([(self.tables[r][:blocks] + [0] * blocks)[:blocks] for r in rows], device=device)
+        longest = max(starts) + 1
+        slots = (table[:, :, None] * size + torch.arange(size, device=device)).flatten(1)[:, :longest]
+        mask = torch.arange(longest, device=device)[None] <= torch.tensor(starts, device=device)[:, None]
+        return slots.masked_fill(~mask, self.pool.slots), mask
+
     def _run(self, step: Step) -> Scores:
-        ids, positions, write, keep, spans = [], [], [], [], []
-        decode, decode_slots, prefill = [], [], []
+        ids, positions, keep, spans, prefill = [], [], [], [], []
+        decode, decode_rows, starts = [], [], []  # the rows that compute one token: its index in ids, ...
         for row, tokens, start, _, sample, every in step.work:
             a, n = len(ids), len(tokens)
             ids += tokens
             positions += range(start, start + n)
-            slots = self._slots(row, start + n)
-            write.append(slots[start:])
             if n == 1:
                 decode.append(a)
-                decode_slots.append(slots)
+                decode_rows.append(row)
+                starts.append(start)
             else:
-                prefill.append((a, a + n, slots, start))
+                prefill.append((a, a + n, self._slots(row, start + n), start))
             if every or sample:
                 first = a if every else a + n - 1
                 spans.append((row, positions[first], len(keep), len(keep) + a + n - first, sample))
                 keep += range(first, a + n)
-        layout = Layout(torch.cat(write), torch.tensor(positions, device=self.device), None, None, None, prefill)
+        write = torch.empty(len(ids), dtype=torch.long, device=self.device)  # each new token's slot
+        for a, b, slots, start in prefill:
+            write[a:b] = slots[start:]
+        layout = Layout(write, torch.tensor(positions, device=self.device), None, None, None, prefill)
         if decode:
-            longest = max(len(s) for s in decode_slots)
-            padded = torch.full((len(decode), longest), self.pool.slots, device=self.device)
-            mask = torch.zeros(len(decode), longest, dtype=torch.bool, device=self.device)
-            for i, s in enumerate(decode_slots):
-                padded[i, :len(s)] = s
-                mask[i, :len(s)] = True
+            slots, mask = self._decode_slots(decode_rows, starts)
             layout.decode = torch.tensor(decode, device=self.device)
-            layout.decode_slots, layout.decode_mask = padded, mask[:, None, None, :]
+            at = torch.tensor(starts, device=self.device)
+            write[layout.decode] = slots[torch.arange(len(decode), device=self.device), at]
+            layout.decode_slots, layout.decode_mask = slots, mask[:, None, None, :]
         config = self.model.config
         previous, config._attn_implementation = config._attn_implementation, ATTENTION  # for this forward only
         try:
