@@ -61,6 +61,23 @@ def drive(engine: Engine, arrivals: dict[int, list[Job]], max_steps: int = 10_00
 ROOMY = Limits(16, 2048, 100_000)
 
 
+def recorded(engine: Engine) -> list[Step]:
+    """The steps the engine sends from now on, as it sends them."""
+    sent: list[Step] = []
+    send = engine.channel.send
+    engine.channel.send = lambda step: (sent.append(step), send(step))[-1]
+    return sent
+
+
+def a_long_prompt_beside_decoding_rows(engine: Engine) -> tuple[list[Job], Job]:
+    """Three 4-token prompts decode 20 tokens each; a 45-token prompt (4 new tokens) arrives at step 3."""
+    g = torch.Generator().manual_seed(1)
+    short = [job(torch.randint(0, 101, (4,), generator=g).tolist(), 20, index=i) for i in range(3)]
+    long = job(torch.randint(0, 101, (45,), generator=g).tolist(), 4, index=3)
+    drive(engine, {0: short, 3: [long]})
+    return short, long
+
+
 def engine_for(model, tokenizer, limits: Limits = ROOMY, max_queue: int = 256, paged: bool = True,
                caching: bool = True, block_size: int = 4) -> Engine:
     """tp 1: the engine `autotp serve` picks for this model (paged wherever it can), or the padded one."""

@@ -13,7 +13,7 @@ import families
 import pytest
 import torch
 from checkpoints import word_tokenizer
-from engine_driver import drive, engine_for, job
+from engine_driver import a_long_prompt_beside_decoding_rows, drive, engine_for, job, recorded
 
 from autotp.generate import generate
 from autotp.serve.engine import Job
@@ -124,13 +124,8 @@ def test_padded_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode(tok
     model = build("llama")
     limits = Limits(max_num_seqs=4, max_num_batched_tokens=8, kv_tokens=10_000)
     engine = engine_for(model, tokenizer, limits, paged=False)
-    sent = []
-    send = engine.channel.send
-    engine.channel.send = lambda step: (sent.append(step), send(step))[-1]
-    g = torch.Generator().manual_seed(1)
-    short = [job(torch.randint(0, 101, (4,), generator=g).tolist(), 20, index=i) for i in range(3)]
-    long = job(torch.randint(0, 101, (45,), generator=g).tolist(), 4, index=3)
-    drive(engine, {0: short, 3: [long]})
+    sent = recorded(engine)
+    _, long = a_long_prompt_beside_decoding_rows(engine)
     for step in sent:
         rows = len(step.admit) or 1  # a step that goes on with a prefill: the long prompt alone
         assert len(step.tokens) + step.chunk * rows <= limits.max_num_batched_tokens

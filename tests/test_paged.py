@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from checkpoints import word_tokenizer
-from engine_driver import drive, engine_for, job
+from engine_driver import a_long_prompt_beside_decoding_rows, drive, engine_for, job, recorded
 from test_continuous import build, tokens_of
 
 from autotp.generate import generate
@@ -128,13 +128,8 @@ def test_a_steps_tokens_stay_within_the_budget_and_every_running_row_computes_in
     model = build("llama")
     limits = Limits(max_num_seqs=4, max_num_batched_tokens=8, kv_tokens=10_000)
     engine = engine_for(model, tokenizer, limits)
-    sent = []
-    send = engine.channel.send
-    engine.channel.send = lambda step: (sent.append(step), send(step))[-1]
-    g = torch.Generator().manual_seed(1)
-    short = [job(torch.randint(0, 101, (4,), generator=g).tolist(), 20, index=i) for i in range(3)]
-    long = job(torch.randint(0, 101, (45,), generator=g).tolist(), 4, index=3)
-    drive(engine, {0: short, 3: [long]})
+    sent = recorded(engine)
+    _, long = a_long_prompt_beside_decoding_rows(engine)
     assert all(sum(len(w[1]) for w in s.work) <= limits.max_num_batched_tokens for s in sent)
     chunks = [(len(w[1]), sum(len(v[1]) == 1 for v in s.work)) for s in sent for w in s.work if len(w[1]) > 1
               and len(w[1]) != 4]
@@ -186,9 +181,7 @@ def test_the_editor_pattern_reuses_a_cancelled_prompts_blocks(tokenizer):
     blocks were kept, the new request computes only what changed, and its seeded text is the cold one."""
     model = build("gpt_bigcode_mqa12")
     engine = engine_for(model, tokenizer)
-    sent = []
-    send = engine.channel.send
-    engine.channel.send = lambda step: (sent.append(step), send(step))[-1]
+    sent = recorded(engine)
     g = torch.Generator().manual_seed(5)
     prompt = torch.randint(0, 101, (30,), generator=g).tolist()
     typing = job(prompt, 40, 0.8, seed=3, index=0)
