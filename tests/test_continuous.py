@@ -204,7 +204,7 @@ def test_every_step_costs_one_forward_and_one_broadcast(pools, saved, tokenizer)
 
     out = pools(2).run(step_collectives, saved("gpt_bigcode_mqa12"), tokenizer.name_or_path)[0]
     forward = out["forward"]
-    assert forward == {"all_reduce": 2 * 2 + 1, "all_gather_single": 1}  # 2 layers x 2, the embedding; logits
+    assert forward == {"all_reduce": 2 * 2 + 1, "all_gather": 1}  # 2 layers x 2, the embedding; logits
     ran = [(work, counts) for work, counts in out["steps"] if work]
     mixed = [counts for work, counts in ran if {len(w[1]) > 1 for w in work} == {True, False}]
     assert len(ran) >= 12 and len(mixed) == 1  # the third prompt's prefill beside two decoding rows

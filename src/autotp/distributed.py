@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401 - before any group exists: see _destroy_at_exit
 
 from autotp.errors import AutotpError
+from autotp.parallel.shm import PeerGone
 
 RENDEZVOUS_TIMEOUT_S = 300  # how long rank 0 waits for the others to start (AUTOTP_RENDEZVOUS_TIMEOUT)
 WAIT_NOTICE_S = 5  # after this, rank 0 says what it is waiting for
@@ -329,7 +330,7 @@ def peer_lost(e: BaseException) -> bool:
     """Whether a failure is a collective that lost its peer (gloo's "Connection closed by peer" or "reset by
     peer", a store or network error): the effect of another rank's exit, not a cause of its own."""
     text = f"{type(e).__name__}: {e}"
-    return isinstance(e, dist.DistNetworkError) or any(
+    return isinstance(e, dist.DistNetworkError | PeerGone) or any(
         s in text for s in ("closed by peer", "reset by peer", "Broken pipe", "remote process exited"))
 
 
