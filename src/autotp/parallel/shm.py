@@ -44,7 +44,7 @@ HEADER = 4096
 PIDS = 128
 DIRECTORY = "/dev/shm"
 DEFAULT_TIMEOUT_S = 600.0
-SPIN_S = 1e-3  # measured at tp 2 (64 KB all-reduce): 43 us spinning up to 1 ms, 128 us up to 50 us then a futex
+SPIN_S = 1e-3  # 64 KB at tp 2, measured when written: 43 us spinning up to 1 ms, 128 us up to 50 us then a futex
 
 
 class PeerGone(RuntimeError):
@@ -97,16 +97,21 @@ class ShmGroup:
         self.waiting = (int(SPIN_S * 1e9), int(tp > len(os.sched_getaffinity(0))), int(timeout_s * 1e9))
         self.calls = 0
         self.broken = ""
-        self.views: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        self.views: dict[tuple[int, torch.dtype, int], tuple[torch.Tensor, ...]] = {}
         self.arrive = _barrier()
 
-    def _slots(self, dtype: torch.dtype, n: int) -> torch.Tensor:
-        """(tp, n) every rank's slot in this collective's half, as `dtype`."""
-        half = (self.calls % 2, dtype)
-        if half not in self.views:
-            with torch.inference_mode(False):
-                self.views[half] = self.data[half[0]].view(dtype)
-        return self.views[half][:, :n]
+    def _slots(self, dtype: torch.dtype, n: int) -> tuple[torch.Tensor, ...]:
+        """This collective's half as `dtype`, its first n elements per rank: (tp, n), then each rank's (n,).
+        Views cost microseconds each, so they are kept: a decode step asks for the same few sizes again."""
+        key = (self.calls & 1, dtype, n)
+        views = self.views.get(key)
+        if views is None:
+            if len(self.views) > 256:  # prompts of every length: keep the decode sizes, not all of them
+                self.views.clear()
+            with torch.inference_mode(False):  # used inside and outside forwards alike
+                whole = self.data[key[0]].view(dtype)[:, :n]
+                views = self.views[key] = (whole, *whole.unbind(0))
+        return views
 
     def _wait(self) -> None:
         if self.broken:
@@ -122,33 +127,37 @@ class ShmGroup:
             raise RuntimeError(self.broken)
 
     def _pieces(self, x: torch.Tensor):
-        """x's elements in slot-sized pieces: (flat piece, this collective's slots for it) each."""
+        """x's elements in slot-sized pieces: (offset, flat piece) each."""
         flat = x.view(-1)
         per = SLOT_BYTES // x.element_size()
-        for a in range(0, flat.numel(), per):
-            piece = flat[a:a + per]
-            yield a, piece, self._slots(x.dtype, piece.numel())
+        if flat.numel() <= per:
+            return ((0, flat),)
+        return ((a, flat[a:a + per]) for a in range(0, flat.numel(), per))
 
-    @torch.no_grad()  # as gloo's all-reduce, which autograd does not see either
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum x over the ranks, in place; x contiguous, on CPU."""
-        for _, piece, slots in self._pieces(x):
-            slots[self.rank].copy_(piece)
+        if x.requires_grad and torch.is_grad_enabled():  # as gloo's all-reduce, which autograd does not see
+            with torch.no_grad():
+                return self.all_reduce(x)
+        for _, piece in self._pieces(x):
+            whole, *rows = self._slots(x.dtype, piece.numel())
+            rows[self.rank].copy_(piece)
             self._wait()
-            if self.tp == 2:  # one addition, rounded once: torch.sum's result, 4 us sooner for 64 KB
-                torch.add(slots[0], slots[1], out=piece)
+            if self.tp == 2:  # one addition, rounded once: torch.sum's result, sooner
+                torch.add(rows[0], rows[1], out=piece)
             else:
-                torch.sum(slots, dim=0, out=piece)
+                torch.sum(whole, dim=0, out=piece)
         return x
 
     @torch.no_grad()
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """(tp, *x.shape): every rank's x; x contiguous, on CPU."""
         out = x.new_empty((self.tp, x.numel()))
-        for a, piece, slots in self._pieces(x):
-            slots[self.rank].copy_(piece)
+        for a, piece in self._pieces(x):
+            whole, *rows = self._slots(x.dtype, piece.numel())
+            rows[self.rank].copy_(piece)
             self._wait()
-            out[:, a:a + piece.numel()].copy_(slots)
+            out[:, a:a + piece.numel()].copy_(whole)
         return out.view(self.tp, *x.shape)
 
 
