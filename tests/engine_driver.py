@@ -79,13 +79,13 @@ def a_long_prompt_beside_decoding_rows(engine: Engine) -> tuple[list[Job], Job]:
 
 
 def engine_for(model, tokenizer, limits: Limits = ROOMY, max_queue: int = 256, paged: bool = True,
-               caching: bool = True, block_size: int = 4) -> Engine:
+               caching: bool = True, block_size: int = 4, speculate: int = 0) -> Engine:
     """tp 1: the engine `autotp serve` picks for this model (paged wherever it can), or the padded one."""
     batch, planner = backend(model, probe(model)[0] if paged else None, limits, block_size, caching)
-    return Engine(batch, tokenizer, Channel(), StopFlag(), limits, max_queue, planner=planner)
+    return Engine(batch, tokenizer, Channel(), StopFlag(), limits, max_queue, planner=planner, speculate=speculate)
 
 
-def run_on_ranks(model, tokenizer, make_arrivals, limits: Limits = ROOMY) -> list | None:
+def run_on_ranks(model, tokenizer, make_arrivals, limits: Limits = ROOMY, speculate: int = 0) -> list | None:
     """On every rank of a process group: rank 0 drives make_arrivals() and returns each job's end event
     (with its streamed text); the others follow and return None."""
     import torch.distributed as dist
@@ -97,7 +97,7 @@ def run_on_ranks(model, tokenizer, make_arrivals, limits: Limits = ROOMY) -> lis
         if dist.get_rank() != 0:
             assert follow(batch, channel, StopFlag()) == 0
             return None
-        engine = Engine(batch, tokenizer, channel, StopFlag(), limits, 256, planner=planner)
+        engine = Engine(batch, tokenizer, channel, StopFlag(), limits, 256, planner=planner, speculate=speculate)
         arrivals = make_arrivals()
         with torch.inference_mode():
             drive(engine, arrivals)
@@ -154,23 +154,26 @@ def failing_alike(model_dir: str, tokenizer_dir: str) -> list | None:
 
 
 class CollectiveCounter:
-    """Counts this rank's torch.distributed calls by kind while active (the model's and the engine's)."""
+    """Counts this rank's collectives by kind while active (the model's and the engine's), through gloo or
+    through shared memory (parallel/shm.py)."""
 
     def __init__(self):
         import autotp.parallel.collectives as collectives
+        from autotp.parallel.shm import ShmGroup
 
         self.counts: dict[str, int] = {}
-        self.patched = [(dist_module(), "broadcast"), (dist_module(), "all_reduce"),
-                        (collectives, "_all_gather_single")]
+        self.patched = [(dist_module(), "broadcast", "broadcast"), (dist_module(), "all_reduce", "all_reduce"),
+                        (collectives, "_all_gather_single", "all_gather"), (ShmGroup, "all_reduce", "all_reduce"),
+                        (ShmGroup, "all_gather", "all_gather")]
 
     def __enter__(self):
-        self.saved = [getattr(m, name) for m, name in self.patched]
-        for (module, name), original in zip(self.patched, self.saved, strict=True):
-            setattr(module, name, self._counting(name.strip("_"), original))
+        self.saved = [getattr(m, name) for m, name, _ in self.patched]
+        for (module, name, kind), original in zip(self.patched, self.saved, strict=True):
+            setattr(module, name, self._counting(kind, original))
         return self
 
     def __exit__(self, *exc):
-        for (module, name), original in zip(self.patched, self.saved, strict=True):
+        for (module, name, _), original in zip(self.patched, self.saved, strict=True):
             setattr(module, name, original)
 
     def _counting(self, kind: str, fn):

@@ -45,13 +45,16 @@ def alive(pid: int) -> bool:
 class Server:
     """torchrun -m autotp serve on a free port (--port 0), output in a log file the tests read."""
 
-    def __init__(self, model_dir: str, log: Path, *args: str, api_key: str = "unused"):
+    def __init__(self, model_dir: str, log: Path, *args: str, api_key: str = "unused", ranks: int = 2,
+                 script: str | None = None, env: dict | None = None):
+        """script: a file torchrun runs instead of `-m autotp` (one that patches autotp, then calls its main)."""
         self.model_id, self.log, self.api_key = Path(model_dir).name, log, api_key
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-               str(free_port()), "-m", "autotp", "serve", "--model", model_dir, "--port", "0", "--max-num-seqs", "8",
-               *args]
+        entry = [script] if script else ["-m", "autotp"]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port",
+               str(free_port()), *entry, "serve", "--model", model_dir, "--port", "0", "--max-num-seqs", "8", *args]
         with open(log, "wb") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=ENV, start_new_session=True)
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**ENV, **(env or {})},
+                                         start_new_session=True)
         deadline = time.monotonic() + START_TIMEOUT_S
         while not (found := re.search(r"on (http://127\.0\.0\.1:(\d+))", self.text())):
             assert self.proc.poll() is None, f"server exited {self.proc.returncode}:\n{self.text()[-3000:]}"

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import fim_model
 import openai
@@ -402,6 +403,29 @@ def test_a_dead_rank_gets_503_and_the_server_exits(model_dir, tmp_path):
         s.proc.wait(timeout=60)
         assert s.proc.returncode != 0
         assert not [p for p in s.ranks if alive(p)]
+    finally:
+        s.kill()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("ranks, failing", [(2, 1), (3, 2), (2, 0)])
+def test_a_forward_that_fails_on_one_rank_only_gets_503_within_seconds(model_dir, tmp_path, ranks, failing):
+    """One rank's forward raises (an out-of-memory error on one GPU) while the others wait in its first
+    collective. Before, they waited for the process group's timeout (10 minutes): now the client gets 503
+    within seconds, the server exits non-zero and says why in one line."""
+    s = Server(model_dir, tmp_path / "server.log", ranks=ranks, script=str(Path(__file__).parent / "fault_step.py"),
+               env={"AUTOTP_TEST_FAIL_RANK": str(failing)})
+    try:
+        start = time.monotonic()
+        with pytest.raises(openai.InternalServerError) as failure:
+            s.client.completions.create(model=s.model_id, prompt="def add(a, b):", max_tokens=8)
+        answered = time.monotonic() - start
+        assert failure.value.status_code == 503
+        assert answered < 30, answered  # the watchdog's grace is 5 s; the group's timeout 600 s
+        s.proc.wait(timeout=60)
+        assert s.proc.returncode != 0
+        errors = [line for line in s.text().splitlines() if "out of memory" in line]
+        assert len(errors) == 1 and f"CUDA out of memory on rank {failing} (injected)" in errors[0], errors
     finally:
         s.kill()
 

@@ -31,10 +31,20 @@ def default_model() -> str:
     return str(demo)
 
 
+SPECULATE = 0  # serve --speculate (ServeOptions.speculate)
+
+
 def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
     return value
 
 
@@ -184,7 +194,7 @@ def cmd_serve(args) -> int:
                         device=args.device, quantize=args.quantize, group_size=args.group_size,
                         max_body_bytes=args.max_body_bytes, read_timeout=args.read_timeout,
                         allowed_hosts=args.allowed_hosts, api_key=key, block_size=args.block_size,
-                        prefix_caching=args.prefix_caching)
+                        prefix_caching=args.prefix_caching, speculate=args.speculate)
     return serve(args.model or default_model(), model_id=args.model or DEMO_ID, opts=opts)
 
 
@@ -264,6 +274,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                      help="compute every prompt in full instead of reusing the cached blocks of an earlier "
                           "prompt's prefix")
+    srv.add_argument("--speculate", type=non_negative_int, default=SPECULATE, metavar="K",
+                     help="up to K tokens per decoding sequence and step guessed from its own prompt and output "
+                          "(prompt lookup) and verified in the same forward; the text is the same either way "
+                          f"(default {SPECULATE}; 0: off)")
     srv.add_argument("--max-queue", type=positive_int, default=256,
                      help="prompts waiting for room; past it requests get 429 (default 256)")
     srv.add_argument("--max-model-len", type=positive_int, help="prompt + completion tokens per request "

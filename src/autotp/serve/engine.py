@@ -13,8 +13,9 @@ Each step rank 0 (the main thread of `autotp serve`):
 So a request never waits for another one to finish: it joins at the next step that has room. The ranks
 never decide anything: they apply rank 0's steps. A forward that raises on every rank alike (the same
 exception type) fails the rows it ran with 500 and the server goes on; any disagreement, a failed
-collective or a dead rank ends lockstep: rank 0 answers every job 503 and returns 1. Nothing here knows
-HTTP; jobs carry an `emit` callback.
+collective or a dead rank ends lockstep: rank 0 answers every job 503 and returns 1. A forward that raises
+on some ranks only leaves the others in one of its collectives; the store says so within seconds
+(watchdog.py), and rank 0 answers 503 and exits. Nothing here knows HTTP; jobs carry an `emit` callback.
 """
 
 from __future__ import annotations
@@ -29,8 +30,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import islice
 
+import numpy as np
+
+from autotp import distributed
 from autotp.generate import pad_token_id
 from autotp.sampler import RowSampler, SamplingParams
+from autotp.serve import lookup
 from autotp.serve.blocks import BlockPool
 from autotp.serve.metrics import Metrics
 from autotp.serve.output import Active, Output, describe, eos_ids
@@ -41,6 +46,7 @@ from autotp.serve.scheduler import Limits, Need, plan_padded
 from autotp.serve.state import Batch
 from autotp.serve.text import TextStream
 from autotp.serve.types import Row, log
+from autotp.serve.watchdog import StepWatchdog, Watch
 from autotp.serve.wire import Channel, Step
 
 HEARTBEAT_S = 0.5  # an idle rank 0 sends an empty step this often, so a dead rank shows within seconds
@@ -103,11 +109,13 @@ class Engine:
     """Rank 0's scheduler: `submit` from any thread, `run` in the main thread until `stopping` is set.
 
     batch: this rank's rows (runner.PagedBatch, or state.Batch for the padded engine); planner: the paged
-    engine's block accounting (None: the padded engine)."""
+    engine's block accounting (None: the padded engine); speculate: up to this many prompt-lookup draft
+    tokens verified per decoding row and step (the paged engine only)."""
 
     def __init__(self, batch, tokenizer, channel: Channel, stopping: StopFlag, limits: Limits, max_queue: int,
-                 metrics: Metrics | None = None, planner: PagedPlanner | None = None):
+                 metrics: Metrics | None = None, planner: PagedPlanner | None = None, speculate: int = 0):
         self.batch, self.planner = batch, planner
+        self.speculate = speculate if planner is not None else 0  # draft tokens per row per step (lookup.py)
         self.channel, self.stopping, self.limits, self.max_queue = channel, stopping, limits, max_queue
         self.active: dict[int, Active] = {}
         # a copy of its own: the parser thread encodes with the original, and HF fast tokenizers are not
@@ -122,6 +130,9 @@ class Engine:
         self.accepting = True
         self.error = ""  # how this rank's last step failed, sent with the next step
         self.failed: list[tuple[Job, str]] = []  # answered 500 once the next step reached every rank
+        self.forwards = 0  # steps that ran a forward, numbered as every rank numbers them (watchdog.py)
+        self.watch = Watch(0, distributed.world_size(), channel.tag())
+        self.watchdog = StepWatchdog(self.watch, self._lost)
 
     @property
     def metrics(self) -> Metrics | None:
@@ -162,6 +173,8 @@ class Engine:
 
     def run(self) -> int:
         """Schedule until stopped and drained (0) or until the ranks can no longer run in lockstep (1)."""
+        if self.watch.store is not None:
+            self.watchdog.start()
         try:
             while not (self.stopping.is_set() and self._drained()):
                 self.step()
@@ -169,10 +182,7 @@ class Engine:
             self._answer_failed()
             return 0
         except Exception as e:  # noqa: BLE001 - a rank died or a collective failed: lockstep is lost
-            log(f"tensor-parallel ranks failed, shutting down: {describe(e)}")
-            message = "the tensor-parallel ranks failed while running this request; the server is exiting"
-            for job in [a.job for a in self.active.values() if not a.done] + [j for j, _ in self.failed]:
-                job.fail(503, message)
+            self._lost(describe(e))
             return 1
         finally:
             with self.lock:
@@ -181,6 +191,22 @@ class Engine:
             for job in self.waiting:
                 job.fail(503, "the server is shutting down")
             self.waiting.clear()
+
+    def _lost(self, why: str) -> None:
+        """Lockstep is lost (a rank died, a collective failed, a forward failed on some ranks only): every
+        admitted request is answered 503 and no new one is taken. From the main thread, or from the watchdog's
+        while the main thread waits in a collective that will never end (it then ends the process)."""
+        log(f"tensor-parallel ranks failed, shutting down: {why}")
+        message = "the tensor-parallel ranks failed while running this request; the server is exiting"
+        for job in [a.job for a in self.active.values() if not a.done] + [j for j, _ in self.failed]:
+            job.fail(503, message)
+        if threading.current_thread() is self.watchdog:
+            with self.lock:
+                self.accepting = False
+            self._intake(block=False)
+            for job in self.waiting:
+                job.fail(503, "the server is shutting down")
+            time.sleep(1.0)  # the HTTP thread writes the answers before the process ends
 
     def _drained(self) -> bool:
         """Stopping: queued jobs are answered 503 at once, admitted ones run to their end."""
@@ -202,9 +228,15 @@ class Engine:
             del self.active[row]
         if not step.runs:
             return
+        self.forwards += 1
+        self.watchdog.begin(self.forwards)
         try:
             scores = self.batch.run(step, prefilled=self.output.take)
         except Exception as e:  # noqa: BLE001 - the next step tells every rank; they must have failed alike
+            self.watchdog.end()
+            self.watch.failed(self.forwards, describe(e))
+            if not self.watch.alike(self.forwards):  # a rank that did not fail waits in a collective
+                raise RuntimeError(f"rank 0's forward failed and another rank's did not: {describe(e)}") from e
             self.error = describe(e)
             lost = set(self.active) - set(self.batch.rows())
             log(f"a step of {len(lost)} rows failed; they get 500 and the server goes on: {self.error}")
@@ -213,14 +245,30 @@ class Engine:
                 if self.planner is not None:
                     self.planner.release(row)
             return
+        self.watchdog.end()
+        kept = self.output.take(scores)
         if self.planner is not None:
-            self.planner.ran(step, {w[0]: self._tokens(w[0]) for w in step.work})
-        self.output.take(scores)
+            self.planner.ran(step, {w[0]: self._tokens(w[0]) for w in step.work}, kept)
 
     def _tokens(self, row: int) -> tuple[tuple[int, ...], list[int]]:
         """A row's prompt and generated tokens (the planner reads the spans it needs, copying neither)."""
         a = self.active[row]
         return a.job.row.ids, a.tokens
+
+    def _drafts(self) -> dict[int, tuple[int, ...]]:
+        """Each decoding row's prompt-lookup draft (lookup.py), no longer than its budget leaves room for."""
+        drafts = {}
+        for row, a in self.active.items():
+            room = min(self.speculate, a.job.row.max_tokens - len(a.tokens) - 1)
+            a.draft = ()
+            if a.done or not a.tokens or room <= 0:
+                continue
+            if a.prompt is None:
+                a.prompt = np.asarray(a.job.row.ids, dtype=np.int64)
+            a.draft = lookup.draft(np.concatenate((a.prompt, np.asarray(a.tokens, dtype=np.int64))), room)
+            if a.draft:
+                drafts[row] = a.draft
+        return drafts
 
     def _unqueue(self, job: Job) -> Job:
         with self.lock:
@@ -265,7 +313,7 @@ class Engine:
         if self.planner is not None:
             rows = {r: self._tokens(r) for r, a in self.active.items() if not a.done}
             step = self.planner.plan(rows, drop, [(j.row.ids, j.row.max_tokens, j.row.prompt_logprobs) for j in head],
-                                     lambda _: self._admit())
+                                     lambda _: self._admit(), self._drafts() if self.speculate else None)
         else:
             order = self.batch.order_after(drop)
             needs = [Need(len(self.active[r].job.row.ids) + len(self.active[r].tokens),
@@ -280,7 +328,8 @@ def follow(batch, channel: Channel, stopping: StopFlag) -> int:
     """A worker rank: apply and run rank 0's steps on its batch (as Engine's) until "stop". Signalled alone
     (rank 0 still sends work), it leaves when idle after GRACE_S; rank 0 then sees the broken group and
     shuts down."""
-    error = ""
+    error, forwards = "", 0
+    watch = Watch(distributed.rank(), distributed.world_size(), channel.tag())
     while True:
         step = channel.recv()
         if kind(step.error) != kind(error):  # the messages may differ by rank (a CUDA OOM names its GPU)
@@ -291,9 +340,11 @@ def follow(batch, channel: Channel, stopping: StopFlag) -> int:
         error = ""
         batch.apply(step)
         if step.runs:
+            forwards += 1
             try:
                 batch.run(step)
             except Exception as e:  # noqa: BLE001 - compared with rank 0's at the next step
                 error = describe(e)
+                watch.failed(forwards, error)
         elif stopping.is_set() and stopping.age() > GRACE_S and not step.drop and not step.admit:
             return 0

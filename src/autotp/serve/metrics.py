@@ -10,6 +10,8 @@ Counted per prompt row (a request with n prompts or n choices is n rows), as vLL
 - autotp:prompt_tokens_total, autotp:generation_tokens_total (counters, finished rows);
 - autotp:prefix_cache_queries_total, autotp:prefix_cache_hits_total (counters): prompt tokens looked up
   in the paged engine's prefix cache as rows are admitted, and those found there (not computed again);
+- autotp:spec_decode_num_draft_tokens_total, autotp:spec_decode_num_accepted_tokens_total (counters):
+  prompt-lookup draft tokens verified (`--speculate`), and those the rows' samplers drew too;
 - autotp:request_success_total{finished_reason="stop"|"length"} (rows), and
   autotp:request_errors_total{status} (HTTP requests answered 4xx/5xx, 499 for a client that left).
 
@@ -54,6 +56,10 @@ class Metrics:
                                       "cache.", registry=r)
         self.prefix_hits = Counter(f"{PREFIX}prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                                    registry=r)
+        self.drafted = Counter(f"{PREFIX}spec_decode_num_draft_tokens", "Prompt-lookup draft tokens verified.",
+                               registry=r)
+        self.accepted = Counter(f"{PREFIX}spec_decode_num_accepted_tokens", "Draft tokens the rows' samplers "
+                                "drew too (each one a forward saved).", registry=r)
         self.success = Counter(f"{PREFIX}request_success", "Finished rows, by why they finished.",
                                ["finished_reason"], registry=r)
         self.errors = Counter(f"{PREFIX}request_errors", "HTTP requests answered with an error, by status.",
@@ -77,6 +83,10 @@ class Metrics:
     def prefix(self, queried: int, hit: int) -> None:
         self.prefix_queries.inc(queried)
         self.prefix_hits.inc(hit)
+
+    def speculated(self, drafted: int, accepted: int) -> None:
+        self.drafted.inc(drafted)
+        self.accepted.inc(accepted)
 
     def answered(self, status: int) -> None:
         if status >= 400:

@@ -38,6 +38,8 @@ class Active:
     done: bool = False  # finished, failed or answered: leaves at the next step
     last: float | None = None  # when its last token came out (metrics)
     text: Detokenizer | None = None  # its text so far, where it is needed at every token (stop strings, streams)
+    draft: tuple[int, ...] = ()  # the tokens it guesses follow `next` (lookup.py), fed after it this step
+    prompt: object = None  # its prompt ids as a numpy array, made at its first draft
 
     def fail(self, status: int, message: str) -> None:
         """Answer the job with an error; the row leaves at the next step."""
@@ -70,14 +72,22 @@ class Output:
         self.tokenizer, self.eos, self.active, self.metrics = tokenizer, eos, active, metrics
         self.special = set(tokenizer.all_special_ids)
 
-    def take(self, scores) -> None:
-        """A forward's scores (runner.Scores): prompt log-probabilities first, then the next tokens."""
+    def take(self, scores) -> dict[int, int]:
+        """A forward's scores (runner.Scores): prompt log-probabilities first, then the next tokens. Returns,
+        for each row that ran a draft, how many of its computed tokens stand (planner.ran)."""
         asked = [s for s in scores.spans if self.active[s[0]].job.row.prompt_logprobs]
         if asked:
             self.guarded([s[0] for s in asked], lambda: self._prompt_logprobs(scores.logits, asked))
-        if any(s[4] for s in scores.spans):
-            rows, sample = scores.sampled()
+        # a decoding row (its first scored position past its prompt) with more than one column ran a draft
+        drafted = [s for s in scores.spans if s[4] and s[3] - s[2] > 1 and s[1] >= len(self.active[s[0]].job.row.ids)]
+        plain = [s for s in scores.spans if s[4] and s not in drafted]
+        if plain:
+            rows, sample = scores.sampled(plain)
             self.guarded(rows, lambda: self._sample_rows(rows, sample))
+        kept: dict[int, int] = {}
+        for span in drafted:
+            self.guarded([span[0]], lambda span=span: self._verify(span, scores.logits, kept))
+        return kept
 
     def guarded(self, rows: list[int], work: Callable[[], None]) -> None:
         """Rank 0's own work on a forward's scores: what it raises fails `rows` with 500 and nothing else."""
@@ -116,6 +126,35 @@ class Output:
         for i, token in picked.items():
             if not self.active[rows[i]].done:
                 self._advance(self.active[rows[i]], token, logprobs.get(i))
+
+    def _verify(self, span: tuple, logits: torch.Tensor, kept: dict[int, int]) -> None:
+        """A row that ran its last token and a draft d1 .. dm: column i scores the token after d_i (d_0 its last
+        token). Its sampler draws at each column in turn, exactly as it would have one step at a time, and
+        each token drawn is the row's; it goes on while the token drawn is the draft's next one. So the text
+        is the text without a draft; the draft only saves the forwards of the tokens it guessed."""
+        row, _, a, b, _ = span
+        active = self.active[row]
+        draft = active.draft[:b - a - 1]
+        scores = logits[a:b]
+        greedy = scores.argmax(dim=-1).tolist()
+        finite = torch.isfinite(scores.max(dim=-1).values).tolist()
+        tops = active.job.row.logprobs
+        accepted = 0
+        for i in range(b - a):
+            try:
+                token = greedy[i] if finite[i] and active.sampler.generator is None else active.sampler.pick(scores[i])
+            except SampleError as e:
+                log(f"{active.job.request} prompt {active.job.index} failed: {e}")
+                active.fail(500, str(e))
+                break
+            logprob = token_logprobs(scores[i:i + 1], [token], [tops])[0] if tops is not None else None
+            self._advance(active, token, logprob)
+            kept[row] = i + 1
+            if active.done or i == len(draft) or token != draft[i]:
+                break
+            accepted += 1
+        if self.metrics is not None:
+            self.metrics.speculated(len(draft), accepted)
 
     def _prompt_logprobs(self, logits: torch.Tensor, spans: list[tuple]) -> None:
         """Each prompt token's log-probability given the ones before it: the column at position j

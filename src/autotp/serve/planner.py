@@ -62,10 +62,13 @@ class PagedPlanner:
         for block in seq.blocks:
             self.pool.release(block)
 
-    def plan(self, rows: dict[int, tuple[Sequence[int], Sequence[int]]], drop: tuple[int, ...], waiting, join) -> Step:
+    def plan(self, rows: dict[int, tuple[Sequence[int], Sequence[int]]], drop: tuple[int, ...], waiting, join,
+             drafts: dict[int, tuple[int, ...]] | None = None) -> Step:
         """rows: each row still running -> (its prompt, its generated tokens);
         waiting: the queue's jobs, oldest first, as (prompt ids, max_tokens, no_cache) each; join(i)
-        admits the i-th and returns its row id. Returns the step (its `error` left for the engine)."""
+        admits the i-th and returns its row id; drafts: a decoding row's guesses at its next tokens
+        (lookup.py), computed after its last one within the step's budget, every position scored. Returns
+        the step (its `error` left for the engine)."""
         for row in drop:
             self.release(row)
         budget = self.limits.max_num_batched_tokens
@@ -78,8 +81,11 @@ class PagedPlanner:
             n = min(len(prompt) + len(generated) - seq.computed, budget)
             if n <= 0:
                 continue
+            guess = (drafts or {}).get(row, ())[:budget - n] if n == 1 and generated else ()
+            if guess:  # the draft's tokens as if generated: its blocks were reserved with the row's max_tokens
+                generated, n = (*generated, *guess), n + len(guess)
             budget -= n
-            work.append(self._work(row, seq, prompt, generated, n))
+            work.append(self._work(row, seq, prompt, generated, n, every=bool(guess)))
         admitted = 0
         for prompt, max_tokens, no_cache in waiting:
             if budget <= 0 or len(rows) + admitted >= self.limits.max_num_seqs:
@@ -104,9 +110,9 @@ class PagedPlanner:
         return Step(drop=drop, work=tuple(work))
 
     def _work(self, row: int, seq: Seq, prompt: Sequence[int], generated: Sequence[int], n: int,
-              new: list[int] | None = None) -> tuple:
+              new: list[int] | None = None, every: bool = False) -> tuple:
         """This step's entry for a row computing its tokens computed .. computed + n - 1, taking the blocks
-        that needs (after `new`, its cached prefix, when it is admitted)."""
+        that needs (after `new`, its cached prefix, when it is admitted); every: score each of them."""
         start = seq.computed
         added = list(new or [])
         while len(seq.blocks) * self.pool.block_size < start + n:
@@ -116,17 +122,20 @@ class PagedPlanner:
             added.append(block)
         sample = start + n == len(prompt) + len(generated)
         return (row, span(prompt, generated, start, start + n), start, tuple(added), sample,
-                seq.every and start < len(prompt))
+                every or (seq.every and start < len(prompt)))
 
-    def ran(self, step: Step, tokens: dict[int, tuple[Sequence[int], Sequence[int]]]) -> None:
+    def ran(self, step: Step, tokens: dict[int, tuple[Sequence[int], Sequence[int]]],
+            kept: dict[int, int] | None = None) -> None:
         """The step ran on every rank: its rows' tokens are computed, and the blocks they filled are cached.
-        tokens: each row's (prompt, generated tokens) as they were planned."""
+        tokens: each row's (prompt, generated tokens) after the step; kept: a row with a draft -> how many of
+        its computed tokens stand (its last one and the drafted ones its sampler drew too); the keys and
+        values after them are stale and computed again."""
         size = self.pool.block_size
         for row, ids, start, _, _, _ in step.work:
             seq = self.seqs.get(row)
             if seq is None:
                 continue
-            seq.computed = start + len(ids)
+            seq.computed = start + (kept or {}).get(row, len(ids))
             prompt, generated = tokens[row]
             while (len(seq.keys) + 1) * size <= seq.computed:
                 i = len(seq.keys)

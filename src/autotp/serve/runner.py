@@ -29,9 +29,9 @@ class Scores:
     logits: torch.Tensor
     spans: list[tuple[int, int, int, int, bool]]
 
-    def sampled(self) -> tuple[list[int], torch.Tensor]:
-        """The rows that get a token, and their scores (rows, vocab)."""
-        picks = [(s[0], s[3] - 1) for s in self.spans if s[4]]
+    def sampled(self, spans: list[tuple]) -> tuple[list[int], torch.Tensor]:
+        """The rows of `spans` (some of `self.spans` that sample), and their last column's scores (rows, vocab)."""
+        picks = [(s[0], s[3] - 1) for s in spans]
         index = torch.tensor([i for _, i in picks], device=self.logits.device, dtype=torch.long)
         return [r for r, _ in picks], self.logits.index_select(0, index)
 

@@ -82,6 +82,7 @@ class ServeOptions:
     api_key: str | None = None
     block_size: int = 16  # tokens per KV block (the paged engine)
     prefix_caching: bool = True
+    speculate: int = 0  # prompt-lookup draft tokens per decoding row and step (the paged engine)
 
 
 def _size(n: int) -> str:
@@ -117,7 +118,9 @@ def _backend(net, channel: Channel, env, opts: ServeOptions, max_model_len: int 
         short = (f", less than the context of {max_model_len}: longer requests are refused"
                  if max_model_len is not None and tokens < max_model_len else "")
         layout = (f"{tokens // opts.block_size} blocks of {opts.block_size}, prefix caching "
-                  f"{'on' if opts.prefix_caching else 'off'}" if paged else f"padded rows: {why}")
+                  f"{'on' if opts.prefix_caching else 'off'}, speculation "
+                  f"{f'up to {opts.speculate} tokens' if opts.speculate else 'off'}" if paged
+                  else f"padded rows: {why}; no speculation")
         log(f"KV cache: {tokens} tokens per rank ({_size(tokens * per_token)} at {per_token} bytes per token; "
             f"{layout}){short}")
     limits = Limits(opts.max_num_seqs, opts.max_num_batched_tokens, tokens)
@@ -182,7 +185,8 @@ def serve(model: str, model_id: str, opts: ServeOptions = ServeOptions()) -> int
         channel.close()  # every rank got "stop": the group is whole (a broken one is left to the exit)
         return code
 
-    engine = Engine(backend.batch, tokenizer, channel, stopping, limits, opts.max_queue, planner=backend.planner)
+    engine = Engine(backend.batch, tokenizer, channel, stopping, limits, opts.max_queue, planner=backend.planner,
+                    speculate=opts.speculate)
     engine.metrics = Metrics(lambda: engine.counts()[0], lambda: engine.counts()[1],
                              lambda: engine.kv_used() / limits.kv_tokens)
     served = Served(model_id, tokenizer, max_model_len, int(time.time()), limits.kv_tokens)

@@ -76,6 +76,10 @@ class Channel:
         dist.broadcast(whole, src=0, group=self.group)
         return pickle.loads(whole.numpy().tobytes())
 
+    def tag(self) -> str:
+        """A name the same on every rank and new for each channel of the process group."""
+        return "" if self.group is None else self.group.group_name
+
     def share(self, value):
         """rank 0's value on every rank: start-up only, never per step."""
         if self.group is None:

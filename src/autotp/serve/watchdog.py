@@ -1,0 +1,101 @@
+"""A step that failed on some ranks only, found within seconds instead of at the collective's timeout.
+
+The ranks run each step's forward in lockstep. A forward that raises on every rank alike (the same row too
+long for every GPU) fails its rows and the server goes on (engine.py). One that raises on some ranks only
+(an out-of-memory error on one GPU) leaves the others waiting in one of its collectives, where no message
+reaches them, for the process group's timeout (10 minutes by default). So a rank whose forward raised says
+so in the process group's store, under the step's number, and:
+- rank 0, when its own forward raised, waits up to GRACE_S for every rank to have said the same; if one has
+  not, that rank is inside the forward's collectives and lockstep is lost (the engine answers 503 and exits);
+- rank 0, while its forward runs (it did not raise), is watched by a thread of its own: once a rank has said
+  its forward raised and rank 0's still has not ended GRACE_S later, rank 0 is stuck in a collective that
+  rank will never join. The thread answers every request 503 and ends the process; torchrun stops the rest.
+
+Nothing here costs a step that ran: the store is read only while a forward has run for POLL_S, and written
+only by a rank whose forward raised.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+GRACE_S = 5.0  # ranks that fail alike fail within milliseconds of each other: a second rank's note comes sooner
+POLL_S = 0.25
+PREFIX = "autotp/serve/failed"
+
+
+class Watch:
+    """This rank's view of the steps that failed: `failed` writes, `alike` and `who` read (see above). tag: the
+    same on every rank and new for each engine of the process group (its channel's group name), so that an
+    earlier engine's notes in the same store are never read as this one's."""
+
+    def __init__(self, rank: int, tp: int, tag: str):
+        self.rank, self.tp, self.tag = rank, tp, tag
+        self.store = dist.distributed_c10d._get_default_store() if tp > 1 else None
+
+    def _key(self, step: int, rank: int) -> str:
+        return f"{PREFIX}/{self.tag}/{step}/{rank}"
+
+    def failed(self, step: int, message: str) -> None:
+        """This rank's forward of `step` raised."""
+        if self.store is not None:
+            self.store.set(self._key(step, self.rank), message)
+
+    def alike(self, step: int) -> bool:
+        """Whether every rank said its forward of `step` raised, within GRACE_S."""
+        if self.store is None:
+            return True
+        keys = [self._key(step, r) for r in range(self.tp)]
+        deadline = time.monotonic() + GRACE_S
+        while not self.store.check(keys):  # (store.wait logs a warning line per timeout)
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
+    def who(self, step: int) -> list[tuple[int, str]]:
+        """The ranks that said their forward of `step` raised, and what."""
+        keys = [self._key(step, r) for r in range(self.tp)]
+        return [(r, self.store.get(k).decode()) for r, k in enumerate(keys) if self.store.check([k])]
+
+
+class StepWatchdog(threading.Thread):
+    """Rank 0's thread: `begin(step)` before a forward, `end()` after it. abandon(message) answers every request
+    and must not return (it ends the process)."""
+
+    def __init__(self, watch: Watch, abandon: Callable[[str], None]):
+        super().__init__(name="autotp-step-watchdog", daemon=True)
+        self.watch, self.abandon = watch, abandon
+        self.running: tuple[int, float] | None = None  # (step, when its forward began)
+
+    def begin(self, step: int) -> None:
+        self.running = (step, time.monotonic())
+
+    def end(self) -> None:
+        self.running = None
+
+    def run(self) -> None:
+        while True:
+            time.sleep(POLL_S)
+            running = self.running
+            if running is None or time.monotonic() - running[1] < POLL_S:
+                continue
+            try:
+                failed = self.watch.who(running[0])
+            except Exception:  # noqa: BLE001 - the store is gone: the engine's own collectives fail too
+                return
+            if not failed:
+                continue
+            deadline = time.monotonic() + GRACE_S
+            while self.running == running and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if self.running == running:
+                rank, message = failed[0]
+                self.abandon(f"rank {rank}'s forward of a step failed and rank 0 waits for it in a collective: "
+                             f"{message}")
+                os._exit(1)
