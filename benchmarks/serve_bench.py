@@ -161,12 +161,14 @@ def main() -> None:
     parser.add_argument("--baseline", default="6a1d188", help="commit of the padded engine before the paged one")
     parser.add_argument("--model", default="demo", help="demo, smollm2 or a model directory")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--serve-args", default="", help="more `autotp serve` flags for new:N and old:N, "
+                                                         "e.g. '--speculate 0'")
     args = parser.parse_args()
     rows = {}
     with tempfile.TemporaryDirectory() as scratch:
         for system in args.systems:
             log = Path(scratch) / f"{re.sub(r'[^a-z0-9]', '_', system)}.log"
-            proc, url = start(system, args.baseline, model_path(args.model), log)
+            proc, url = start(system, args.baseline, model_path(args.model), log, args.serve_args.split())
             try:
                 rows[system] = asyncio.run(measure(url, args.concurrency))
             finally:

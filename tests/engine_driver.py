@@ -164,7 +164,7 @@ class CollectiveCounter:
         self.counts: dict[str, int] = {}
         self.patched = [(dist_module(), "broadcast", "broadcast"), (dist_module(), "all_reduce", "all_reduce"),
                         (collectives, "_all_gather_single", "all_gather"), (ShmGroup, "all_reduce", "all_reduce"),
-                        (ShmGroup, "all_gather", "all_gather")]
+                        (ShmGroup, "all_gather", "all_gather"), (ShmGroup, "broadcast", "broadcast")]
 
     def __enter__(self):
         self.saved = [getattr(m, name) for m, name, _ in self.patched]

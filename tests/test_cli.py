@@ -137,6 +137,9 @@ def test_bad_flags_are_one_line(checkpoint):
     out = autotp("plan", "--tp", "0")
     assert out.returncode == 2 and out.stderr.splitlines() == [
         "autotp: error: autotp plan: argument --tp: must be at least 1, got 0"]
+    out = autotp("serve", "--speculate", "-1")
+    assert out.returncode == 2 and out.stderr.splitlines() == [
+        "autotp: error: autotp serve: argument --speculate: must be at least 0, got -1"]
 
 
 def test_help_and_flag_errors_import_neither_torch_nor_transformers():

@@ -65,8 +65,8 @@ def test_all_reduce_sums_in_rank_order_and_equals_gloo_at_tp_2(pools, tp):
 
 
 def _many_steps() -> list[str]:
-    """300 collectives in a row, each rank's values new at every step and sizes that change: a read of the
-    previous step's slot (or of a slot not yet written) gives a wrong sum."""
+    """300 steps of an all-reduce, an all-gather and a broadcast, each rank's values new at every step and sizes
+    that change: a read of the previous step's slot (or of a slot not yet written) gives a wrong result."""
     group, rank, world = _world(), dist.get_rank(), dist.get_world_size()
     wrong = []
     for step in range(300):
@@ -82,6 +82,9 @@ def _many_steps() -> list[str]:
         want = torch.cat([torch.full((1, 2, 3 + r), float(step + r)) for r in range(world)], dim=-1)
         if not torch.equal(gathered, want):
             wrong.append(f"gather at step {step}")
+        sent = torch.full((3 + step % 5,), float(step)) if rank == 0 else torch.zeros(3 + step % 5)
+        if not shm.for_group(group.name, group.get()).broadcast(sent).eq(step).all():
+            wrong.append(f"broadcast at step {step}")
     return wrong
 
 

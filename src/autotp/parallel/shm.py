@@ -150,6 +150,18 @@ class ShmGroup:
         return x
 
     @torch.no_grad()
+    def broadcast(self, x: torch.Tensor, root: int = 0) -> torch.Tensor:
+        """The group rank `root`'s x, into x on every rank; x contiguous, on CPU."""
+        for _, piece in self._pieces(x):
+            _, *rows = self._slots(x.dtype, piece.numel())
+            if self.rank == root:
+                rows[root].copy_(piece)
+            self._wait()
+            if self.rank != root:
+                piece.copy_(rows[root])
+        return x
+
+    @torch.no_grad()
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """(tp, *x.shape): every rank's x; x contiguous, on CPU."""
         out = x.new_empty((self.tp, x.numel()))
