@@ -37,7 +37,8 @@ def server(model_dir, tmp_path_factory):
 
 def test_the_budgets_are_announced(server):
     assert re.search(r"KV cache: 96 tokens per rank \(24\.0 KiB at 256 bytes per token; 6 blocks of 16, prefix "
-                     r"caching on, speculation off\), less than the context of 128: longer requests are refused",
+                     r"caching on, speculation up to 4 tokens\), less than the context of 128: longer requests "
+                     r"are refused",
                      server.text()), \
         server.text()[-2000:]
 

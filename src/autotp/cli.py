@@ -31,7 +31,7 @@ def default_model() -> str:
     return str(demo)
 
 
-SPECULATE = 0  # serve --speculate (ServeOptions.speculate)
+SPECULATE = 4  # serve --speculate (ServeOptions.speculate): benchmarks/spec_bench.py gains on prose too
 
 
 def positive_int(text: str) -> int:

@@ -82,7 +82,7 @@ class ServeOptions:
     api_key: str | None = None
     block_size: int = 16  # tokens per KV block (the paged engine)
     prefix_caching: bool = True
-    speculate: int = 0  # prompt-lookup draft tokens per decoding row and step (the paged engine)
+    speculate: int = 4  # prompt-lookup draft tokens per decoding row and step (the paged engine; cli.SPECULATE)
 
 
 def _size(n: int) -> str:
