@@ -60,11 +60,16 @@ def all_reduce_sum(x: torch.Tensor, group: GroupRef | None) -> torch.Tensor:
     if torch.compiler.is_compiling():
         return funcol.wait_tensor(funcol.all_reduce(x, "sum", group.name))
     pg = group.get()
-    local = shm.for_group(group.name, pg) if x.device.type == "cpu" and x.is_contiguous() else None
+    local = _shared(group, pg, x)
     if local is not None:
         return local.all_reduce(x)
     dist.all_reduce(x, group=pg)
     return x
+
+
+def _shared(group: GroupRef, pg: dist.ProcessGroup, x: torch.Tensor) -> shm.ShmGroup | None:
+    """The group's shared segment where x can go through it (a contiguous CPU tensor of ranks on one host)."""
+    return shm.for_group(group.name, pg) if x.device.type == "cpu" and x.is_contiguous() else None
 
 
 def all_gather_last_dim(x: torch.Tensor, sizes: list[int], group: GroupRef | None) -> torch.Tensor:
@@ -83,7 +88,7 @@ def all_gather_last_dim(x: torch.Tensor, sizes: list[int], group: GroupRef | Non
         gathered = funcol.wait_tensor(funcol.all_gather_single(x, 0, group.name))
     else:
         pg = group.get()
-        local = shm.for_group(group.name, pg) if x.device.type == "cpu" else None
+        local = _shared(group, pg, x)
         if local is not None:
             gathered = local.all_gather(x[0])
         else:

@@ -218,8 +218,7 @@ def _open(group: dist.ProcessGroup) -> ShmGroup | None:
     if any(w for _, w in everyone) or len({h for h, _ in everyone}) > 1:
         reasons = sorted({w for _, w in everyone if w})
         if rank == 0 and reasons and reasons != ["AUTOTP_SHM=0"]:
-            print(f"autotp: warning: shared-memory collectives are off, gloo carries them ({reasons[0]})",
-                  flush=True)
+            _off(reasons[0])
         return None
     size = HEADER + 2 * tp * SLOT_BYTES
     name = [f"autotp-{os.getpid()}-{uuid.uuid4().hex[:12]}" if rank == 0 else None]
@@ -241,10 +240,14 @@ def _open(group: dist.ProcessGroup) -> ShmGroup | None:
                 pass
     if any(everyone):
         if rank == 0:
-            print(f"autotp: warning: shared-memory collectives are off, gloo carries them "
-                  f"({next(w for w in everyone if w)})", flush=True)
+            _off(next(w for w in everyone if w))
         return None
     return ShmGroup(segment, rank, tp, _timeout_s(group))
+
+
+def _off(why: str) -> None:
+    """Rank 0's one line when shared memory cannot be used (this module imports no autotp rank plumbing)."""
+    print(f"autotp: warning: shared-memory collectives are off, gloo carries them ({why})", flush=True)
 
 
 def _map(path: str, size: int, create: bool) -> tuple[mmap.mmap | None, str]:

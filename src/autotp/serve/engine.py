@@ -185,12 +185,16 @@ class Engine:
             self._lost(describe(e))
             return 1
         finally:
-            with self.lock:
-                self.accepting = False
-            self._intake(block=False)
-            for job in self.waiting:
-                job.fail(503, "the server is shutting down")
-            self.waiting.clear()
+            self._refuse_queued()
+
+    def _refuse_queued(self) -> None:
+        """No job is taken any more, and the queued ones are answered 503."""
+        with self.lock:
+            self.accepting = False
+        self._intake(block=False)
+        for job in self.waiting:
+            job.fail(503, "the server is shutting down")
+        self.waiting.clear()
 
     def _lost(self, why: str) -> None:
         """Lockstep is lost (a rank died, a collective failed, a forward failed on some ranks only): every
@@ -201,11 +205,7 @@ class Engine:
         for job in [a.job for a in self.active.values() if not a.done] + [j for j, _ in self.failed]:
             job.fail(503, message)
         if threading.current_thread() is self.watchdog:
-            with self.lock:
-                self.accepting = False
-            self._intake(block=False)
-            for job in self.waiting:
-                job.fail(503, "the server is shutting down")
+            self._refuse_queued()
             time.sleep(1.0)  # the HTTP thread writes the answers before the process ends
 
     def _drained(self) -> bool:

@@ -110,11 +110,9 @@ class Output:
             a = self.active[row]
             if a.done:  # failed earlier in this step (its prompt's log-probabilities)
                 continue
-            try:
-                picked[i] = greedy[i] if finite[i] and a.sampler.generator is None else a.sampler.pick(scores[i])
-            except SampleError as e:
-                log(f"{a.job.request} prompt {a.job.index} failed: {e}")
-                a.fail(500, str(e))
+            token = self._draw(a, greedy[i], finite[i], scores[i])
+            if token is not None:
+                picked[i] = token
         want = [i for i in picked if self.active[rows[i]].job.row.logprobs is not None]
         logprobs: dict[int, TokenLogprob] = {}
 
@@ -126,6 +124,17 @@ class Output:
         for i, token in picked.items():
             if not self.active[rows[i]].done:
                 self._advance(self.active[rows[i]], token, logprobs.get(i))
+
+    @staticmethod
+    def _draw(a: Active, greedy: int, finite: bool, scores: torch.Tensor) -> int | None:
+        """A row's token from one column's scores (vocab,): `greedy`, their argmax, is what RowSampler.pick gives
+        a greedy row; None where the row cannot sample them (it fails with 500)."""
+        try:
+            return greedy if finite and a.sampler.generator is None else a.sampler.pick(scores)
+        except SampleError as e:
+            log(f"{a.job.request} prompt {a.job.index} failed: {e}")
+            a.fail(500, str(e))
+            return None
 
     def _verify(self, span: tuple, logits: torch.Tensor, kept: dict[int, int]) -> None:
         """A row that ran its last token and a draft d1 .. dm: column i scores the token after d_i (d_0 its last
@@ -141,11 +150,8 @@ class Output:
         tops = active.job.row.logprobs
         accepted = 0
         for i in range(b - a):
-            try:
-                token = greedy[i] if finite[i] and active.sampler.generator is None else active.sampler.pick(scores[i])
-            except SampleError as e:
-                log(f"{active.job.request} prompt {active.job.index} failed: {e}")
-                active.fail(500, str(e))
+            token = self._draw(active, greedy[i], finite[i], scores[i])
+            if token is None:
                 break
             logprob = token_logprobs(scores[i:i + 1], [token], [tops])[0] if tops is not None else None
             self._advance(active, token, logprob)
