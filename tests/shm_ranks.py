@@ -34,6 +34,7 @@ if sys.argv[1] == "die":
         all_reduce_sum(torch.ones(1000), group)
     except RuntimeError as e:
         print(f"rank {rank} failed after {time.monotonic() - start:.1f} s: {e}", flush=True)
+        time.sleep(2)  # a survivor that left at once could be seen gone by another before rank 1 is
         os._exit(3)  # the group's peer is gone: no orderly teardown
     print(f"rank {rank}: the all-reduce returned without rank 1", flush=True)
     os._exit(4)
