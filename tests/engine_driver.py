@@ -85,15 +85,20 @@ def engine_for(model, tokenizer, limits: Limits = ROOMY, max_queue: int = 256, p
     return Engine(batch, tokenizer, Channel(), StopFlag(), limits, max_queue, planner=planner, speculate=speculate)
 
 
-def run_on_ranks(model, tokenizer, make_arrivals, limits: Limits = ROOMY, speculate: int = 0) -> list | None:
+def run_on_ranks(model, tokenizer, make_arrivals, limits: Limits = ROOMY, speculate: int = 0,
+                 compile: bool = False) -> list | None:
     """On every rank of a process group: rank 0 drives make_arrivals() and returns each job's end event
-    (with its streamed text); the others follow and return None."""
+    (with its streamed text); the others follow and return None. compile: every rank compiles the decode
+    step first, as `autotp serve --compile` does."""
     import torch.distributed as dist
 
     channel = Channel()
     try:
         shapes = probe(model)[0]
         batch, planner = backend(model, shapes, limits, 4, rank0=dist.get_rank() == 0)
+        if compile:
+            batch.compile()
+            batch.compiled = batch.graph
         if dist.get_rank() != 0:
             assert follow(batch, channel, StopFlag()) == 0
             return None

@@ -32,6 +32,7 @@ def default_model() -> str:
 
 
 SPECULATE = 4  # serve --speculate (ServeOptions.speculate): benchmarks/spec_bench.py gains on prose too
+COMPILE = False  # serve --compile: benchmarks/compile_bench.py
 
 
 def positive_int(text: str) -> int:
@@ -194,7 +195,7 @@ def cmd_serve(args) -> int:
                         device=args.device, quantize=args.quantize, group_size=args.group_size,
                         max_body_bytes=args.max_body_bytes, read_timeout=args.read_timeout,
                         allowed_hosts=args.allowed_hosts, api_key=key, block_size=args.block_size,
-                        prefix_caching=args.prefix_caching, speculate=args.speculate)
+                        prefix_caching=args.prefix_caching, speculate=args.speculate, compile=args.compile)
     return serve(args.model or default_model(), model_id=args.model or DEMO_ID, opts=opts)
 
 
@@ -278,6 +279,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="up to K tokens per decoding sequence and step guessed from its own prompt and output "
                           "(prompt lookup) and verified in the same forward; the text is the same either way "
                           f"(default {SPECULATE}; 0: off)")
+    srv.add_argument("--compile", action=argparse.BooleanOptionalAction, default=COMPILE,
+                     help="run every decode step (each sequence one token) as one graph compiled by torch.compile "
+                          "at start-up; a model the compiler cannot take is served eager, with a warning "
+                          f"(default {'on' if COMPILE else 'off'})")
     srv.add_argument("--max-queue", type=positive_int, default=256,
                      help="prompts waiting for room; past it requests get 429 (default 256)")
     srv.add_argument("--max-model-len", type=positive_int, help="prompt + completion tokens per request "

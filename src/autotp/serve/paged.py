@@ -1,9 +1,10 @@
 """The paged KV pool of one rank and the attention that reads it: the only code that touches its tensors.
 
-Every layer keeps keys and values for `num_blocks * block_size` token slots, (slots + 1, kv_heads, head_dim)
+Every layer keeps keys and values for `num_blocks * block_size` token slots, (slots + 2, kv_heads, head_dim)
 each, kv_heads being this rank's own (replicated where KV heads < tp, StarCoder's one K/V head on every rank).
-Slot `block * block_size + i` holds token i of that block; the extra last slot stays zero and is what
-padding reads. A sequence is a block table (block ids in order), so rows join and leave a batch by
+Slot `block * block_size + i` holds token i of that block; of the two extra slots, the first stays zero and
+is what padding reads, the second (scratch) is what the compiled decode's padding rows write (compiled.py).
+A sequence is a block table (block ids in order), so rows join and leave a batch by
 bookkeeping alone, and two prompts with a common prefix can share its blocks.
 
 The model stays Hugging Face's. One forward runs a whole step: every row's new tokens flattened into one
@@ -54,10 +55,11 @@ class KvPool:
                  device: torch.device):
         self.block_size, self.num_blocks = block_size, num_blocks
         self.slots = num_blocks * block_size  # the index of the zero padding slot
+        self.scratch = self.slots + 1  # written by padding rows, never read
         self.keys, self.values = [], []
         for heads, dim, dtype in shapes:
             for store in (self.keys, self.values):
-                t = torch.empty(self.slots + 1, heads, dim, dtype=dtype, device=device)
+                t = torch.empty(self.slots + 2, heads, dim, dtype=dtype, device=device)
                 t[self.slots].zero_()
                 store.append(t)
 

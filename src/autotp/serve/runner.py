@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from autotp.serve.compiled import CompiledDecode, decode_layout
 from autotp.serve.paged import ATTENTION, KvPool, Layout, PagedCache
 from autotp.serve.wire import Step
 
@@ -43,6 +44,14 @@ class PagedBatch:
         self.model, self.pool = model, pool
         self.device = model.device
         self.tables: dict[int, list[int]] = {}
+        self.graph: CompiledDecode | None = None  # compile()
+        self.compiled: CompiledDecode | None = None  # the graph, once every rank has one (server._compile)
+
+    def compile(self) -> float:
+        """Compile the decode step (compiled.py); the seconds warm-up took. Every rank calls it at once; raises
+        what the compiler raised. Later decode steps take the graph once `compiled` is set (server.py)."""
+        self.graph = CompiledDecode(self._forward, self.device)
+        return self.graph.warm_up(self.pool, self.device)
 
     def rows(self) -> list[int]:
         return list(self.tables)
@@ -83,7 +92,20 @@ class PagedBatch:
         mask = torch.arange(longest, device=device)[None] <= torch.tensor(starts, device=device)[:, None]
         return slots.masked_fill(~mask, self.pool.slots), mask
 
+    def _decode(self, step: Step) -> Scores | None:
+        """A step whose rows each sample one token, through the compiled graph; None for any other step."""
+        if self.compiled is None or not all(len(w[1]) == 1 and w[4] and not w[5] for w in step.work):
+            return None
+        layout, rows = decode_layout(self.pool, [self.tables[w[0]] for w in step.work], [w[2] for w in step.work],
+                                     self.device)
+        ids = torch.tensor([[w[1][0] for w in step.work] + [0] * (rows - len(step.work))], device=self.device)
+        logits = self.compiled(ids, layout)
+        return Scores(logits, [(w[0], w[2], i, i + 1, True) for i, w in enumerate(step.work)])
+
     def _run(self, step: Step) -> Scores:
+        scores = self._decode(step)
+        if scores is not None:
+            return scores
         ids, positions, keep, spans, prefill = [], [], [], [], []
         decode, decode_rows, starts = [], [], []  # the rows that compute one token: its index in ids, ...
         for row, tokens, start, _, sample, every in step.work:
@@ -110,15 +132,18 @@ class PagedBatch:
             at = torch.tensor(starts, device=self.device)
             write[layout.decode] = slots[torch.arange(len(decode), device=self.device), at]
             layout.decode_slots, layout.decode_mask = slots, mask[:, None, None, :]
+        keep = torch.tensor(keep, device=self.device, dtype=torch.long)
+        with torch.inference_mode():
+            return Scores(self._forward(torch.tensor([ids], device=self.device), layout, keep), spans)
+
+    def _forward(self, ids: torch.Tensor, layout: Layout, keep: torch.Tensor | int = 0) -> torch.Tensor:
+        """ids (1, tokens) -> the scores (kept, vocab) of the positions `keep` (0: every position). The caller
+        chooses the grad mode: inference_mode eager, no_grad compiled (inductor refuses inference tensors)."""
         config = self.model.config
         previous, config._attn_implementation = config._attn_implementation, ATTENTION  # for this forward only
         try:
-            with torch.inference_mode():
-                out = self.model(input_ids=torch.tensor([ids], device=self.device),
-                                 position_ids=layout.positions[None],
-                                 cache=PagedCache(self.pool, layout), use_cache=True,
-                                 logits_to_keep=torch.tensor(keep, device=self.device, dtype=torch.long),
-                                 paged=(self.pool, layout))
+            out = self.model(input_ids=ids, position_ids=layout.positions[None], cache=PagedCache(self.pool, layout),
+                             use_cache=True, logits_to_keep=keep, paged=(self.pool, layout))
         finally:
             config._attn_implementation = previous
-        return Scores(out.logits[0], spans)
+        return out.logits[0]

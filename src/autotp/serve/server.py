@@ -28,12 +28,14 @@ from autotp.generate import context_limit
 from autotp.hub import TOKENIZER_FILES, load_config, resolve_model_dir
 from autotp.serve import budget
 from autotp.serve.boundary import Served
+from autotp.serve.compiled import cache_dir
 from autotp.serve.engine import Engine, StopFlag, backend, follow
 from autotp.serve.guard import host_policy
 from autotp.serve.http import HttpThread, build_app, listen
 from autotp.serve.metrics import Metrics
 from autotp.serve.paged import probe
 from autotp.serve.planner import PagedPlanner
+from autotp.serve.runner import PagedBatch
 from autotp.serve.scheduler import Limits
 from autotp.serve.types import log
 from autotp.serve.wire import Channel, Step
@@ -83,6 +85,7 @@ class ServeOptions:
     block_size: int = 16  # tokens per KV block (the paged engine)
     prefix_caching: bool = True
     speculate: int = 4  # prompt-lookup draft tokens per decoding row and step (the paged engine; cli.SPECULATE)
+    compile: bool = False  # the decode step as one compiled graph (compiled.py; cli.COMPILE)
 
 
 def _size(n: int) -> str:
@@ -129,6 +132,27 @@ def _backend(net, channel: Channel, env, opts: ServeOptions, max_model_len: int 
     return Backend(limits, batch, planner)
 
 
+def _compile(batch, channel: Channel, env) -> None:
+    """The compiled decode step on every rank, or on none: rank 0 says how long warm-up took (the slowest
+    rank's), or in one line why every step stays eager."""
+    if not isinstance(batch, PagedBatch):
+        if env.rank == 0:
+            log("warning: no compiled decode step for the padded engine: every step runs eager")
+        return
+    try:
+        seconds, why = batch.compile(), ""
+    except Exception as e:  # noqa: BLE001 - a model or device the compiler cannot take is served eager
+        seconds, why = 0.0, f"{type(e).__name__}: {e}".splitlines()[0][:300]
+    results = channel.gather((seconds, why))
+    failed = next((f"rank {r}: {w}" for r, (_, w) in enumerate(results) if w), "")
+    if not failed:
+        batch.compiled = batch.graph
+    if env.rank == 0:
+        log(f"warning: the decode step did not compile, every step runs eager ({failed})" if failed else
+            f"compiled the decode step in {max(s for s, _ in results):.1f} s (torch.compile, cached for restarts "
+            f"in {cache_dir()})")
+
+
 def serve(model: str, model_id: str, opts: ServeOptions = ServeOptions()) -> int:
     """Serve until signalled (returns 0) or until a rank fails (returns 1). port 0 picks a free port.
     model_id: the name clients use (a directory's path is shown by its name only)."""
@@ -166,6 +190,8 @@ def serve(model: str, model_id: str, opts: ServeOptions = ServeOptions()) -> int
         # (AUTOTP_TIMEOUT), not in the control group's first broadcast, whose timeout is short
         dist.barrier(group=env.group)
     backend = _backend(net, channel, env, opts, max_model_len)
+    if opts.compile:
+        _compile(backend.batch, channel, env)
     limits = backend.limits
     if max_model_len is None:  # no learned position limit (ALiBi): what the KV cache holds bounds a request
         if env.rank == 0:

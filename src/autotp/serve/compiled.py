@@ -1,0 +1,112 @@
+"""The paged engine's decode step as one compiled graph (`autotp serve --compile`).
+
+A step whose rows each compute one token (decode without drafts or prompt log-probabilities) is the step
+that repeats token after token, and much of its time is Python and op dispatch, not arithmetic. So that
+step's whole forward, the paged attention included, is one graph (fullgraph=True); prefill chunks and
+drafts stay eager. Compiling the decoder layers alone, with the attention left eager, was measured slower
+than eager here (117 against 85 ms per token, SmolLM2-135M): the graph breaks and their guards cost more
+than they save. Figures: benchmarks/compile_bench.py.
+
+Inputs are padded to buckets so that a few shapes serve every batch: rows to a power of two, context to a
+power-of-two number of blocks. One row is never padded to two: a (1, n) @ (n, m) product takes the
+matrix-vector path, measured at half the time of a (2, n) one here (122 against 245 us for SmolLM2's
+576 x 1536), and decode is mostly such products. Padding rows write their keys and values into the pool's
+scratch slot, attend to its zero slot alone, and their scores are dropped. Row and context sizes are
+dynamic in the graph: one graph serves a single row, another every bucket of two rows or more (a size-1
+dimension is specialised); on CUDA each bucket is then recorded as a CUDA graph ("reduce-overhead").
+
+Every rank compiles at start-up (`warm_up`: steps of padding rows only, which write nothing but the
+scratch slot); the collectives inside are autotp's custom ops (parallel/collectives.py), in the same order
+as eager's, so a rank that runs a step eager stays in lockstep with one that runs it compiled. After
+warm-up a shape the graph's guards refuse runs eager rather than compiling again mid-serving (a minute
+on a CPU): `eager_on_recompile`. Where compilation fails, the engine runs eager and says so in one line.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from autotp.serve.paged import KvPool, Layout
+
+
+def cache_dir() -> str:
+    """Where inductor keeps what it compiled, so that a restart compiles again in less time."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache
+
+    return inductor_cache()
+
+
+def bucket(n: int) -> int:
+    """The padded size of n rows: the next power of two."""
+    return 1 << (n - 1).bit_length()
+
+
+def decode_layout(pool: KvPool, tables: list[list[int]], starts: list[int], device) -> tuple[Layout, int]:
+    """The padded layout of a decode step: rows with block `tables` compute the token at positions `starts`.
+
+    Returns the layout, (bucket(rows),) tokens, and its row count. Row i's context is slots (i, :starts[i] + 1)
+    of decode_slots, (rows, blocks * block_size) with blocks a power of two; the rest read the zero slot."""
+    size, rows = pool.block_size, bucket(len(tables))
+    blocks = 1 << (max(starts) // size).bit_length()  # a power of two > max(starts) // size
+    table = torch.tensor([(t[:blocks] + [0] * blocks)[:blocks] for t in tables] + [[0] * blocks] * (rows - len(tables)),
+                         device=device)
+    slots = (table[:, :, None] * size + torch.arange(size, device=device)).flatten(1)  # (rows, blocks * size)
+    ends = torch.tensor(starts + [0] * (rows - len(tables)), device=device)
+    mask = torch.arange(slots.shape[1], device=device)[None] <= ends[:, None]
+    slots = slots.masked_fill(~mask, pool.slots)
+    slots[len(tables):, 0] = pool.slots  # a padding row sees the zero slot alone
+    index = torch.arange(rows, device=device)
+    write = slots[index, ends]
+    write[len(tables):] = pool.scratch
+    layout = Layout(write, ends, index, slots, mask[:, None, None, :], [])
+    return layout, rows
+
+
+def _mark_dynamic(ids: torch.Tensor, layout: Layout) -> None:
+    """The sizes that change from step to step: context columns, and rows where there are two or more. Only
+    these: were every size dynamic (dynamic=True), a context of 64 columns would be unified with a head_dim
+    of 64, then specialised with it."""
+    torch._dynamo.mark_dynamic(layout.decode_slots, 1)
+    torch._dynamo.mark_dynamic(layout.decode_mask, 3)
+    if ids.shape[1] > 1:
+        for t, dim in ((ids, 1), (layout.write, 0), (layout.positions, 0), (layout.decode, 0),
+                       (layout.decode_slots, 0), (layout.decode_mask, 0)):
+            torch._dynamo.mark_dynamic(t, dim)
+
+
+class CompiledDecode:
+    """forward(ids (1, rows), layout) -> logits (rows, vocab), compiled: one graph for every decode step."""
+
+    def __init__(self, forward: Callable[[torch.Tensor, Layout], torch.Tensor], device: torch.device):
+        mode = "reduce-overhead" if device.type == "cuda" else None
+        self.forward = forward
+        self.graph = torch.compile(forward, fullgraph=True, mode=mode)
+
+    def warm_up(self, pool: KvPool, device) -> float:
+        """Compile (every rank at once: the graph's collectives run); the seconds it took. Raises what the
+        compiler raised, after running the rest of the warm-up eager: a rank whose compiler failed still
+        meets the others' collectives."""
+        start, failure = time.perf_counter(), None
+        for rows in (1, 2):  # four blocks of context: not 1, and not the rows' size
+            layout, _ = decode_layout(pool, [[0] * 4] * rows, [3 * pool.block_size] * rows, device)
+            layout.write[:], layout.decode_slots[:] = pool.scratch, pool.slots
+            ids = torch.zeros(1, rows, dtype=torch.long, device=device)
+            _mark_dynamic(ids, layout)
+            with torch.no_grad():  # not inference_mode: inductor refuses inference tensors
+                try:
+                    if failure is None:
+                        self.graph(ids, layout)
+                        continue
+                except Exception as e:  # noqa: BLE001 - whatever the compiler raised is reported, and eager serves
+                    failure = e
+                self.forward(ids, layout)
+        if failure is not None:
+            raise failure
+        return time.perf_counter() - start
+
+    def __call__(self, ids: torch.Tensor, layout: Layout) -> torch.Tensor:
+        with torch.no_grad(), torch.compiler.set_stance("eager_on_recompile"):
+            return self.graph(ids, layout)

@@ -1,0 +1,157 @@
+"""The compiled decode step (`autotp serve --compile`, serve/compiled.py): the tokens eager gets, on the
+graph and not beside it, sharded, and a compiler that fails costs a warning, not the server."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from checkpoints import word_tokenizer
+from engine_driver import ROOMY, drive, engine_for, job, run_on_ranks
+from serve_harness import Server
+from test_continuous import build, tokens_of
+
+from autotp.generate import generate
+from autotp.serve.compiled import bucket, decode_layout
+from autotp.serve.paged import KvPool
+
+DEMO = str(__import__("pathlib").Path(__import__("autotp").__file__).parent / "demo_model")
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> str:
+    return word_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+def _jobs() -> dict[int, list]:
+    """Rows that join at different steps, so the decode batch takes 1, 2, 3 (bucket 4) and back: greedy with
+    log-probabilities, seeded with top-p, and greedy again."""
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 101, (n,), generator=g).tolist() for n in (5, 9, 3)]
+    return {0: [job(prompts[0], 30, index=0, logprobs=2)], 4: [job(prompts[1], 20, 0.8, seed=7, top_p=0.9, index=1)],
+            9: [job(prompts[2], 12, index=2)]}
+
+
+class EagerForwards:
+    """Counts the model's forwards that ran as Python (every eager one; a graph's run calls no hook)."""
+
+    def __init__(self, model):
+        self.count = 0
+        model.register_forward_pre_hook(self)
+
+    def __call__(self, module, args):
+        if not torch.compiler.is_compiling():
+            self.count += 1
+
+
+def test_padding_rows_write_the_scratch_slot_and_read_only_the_zero_slot():
+    pool = KvPool([(1, 4, torch.float32)], num_blocks=8, block_size=4, device=torch.device("cpu"))
+    layout, rows = decode_layout(pool, [[3, 5], [6], [1, 2, 7]], [5, 2, 9], "cpu")
+    assert [bucket(n) for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8] and rows == 4
+    assert layout.decode_slots.shape == (4, 16)  # 9 // 4 = block 2: four blocks of 4, a power of two
+    assert layout.write.tolist() == [5 * 4 + 1, 6 * 4 + 2, 7 * 4 + 1, pool.scratch]
+    assert layout.decode_slots[0, :6].tolist() == [12, 13, 14, 15, 20, 21]
+    assert layout.decode_mask[:, 0, 0].sum(1).tolist() == [6, 3, 10, 1]
+    assert (layout.decode_slots[~layout.decode_mask[:, 0, 0]] == pool.slots).all()
+    assert layout.decode_slots[3, 0] == pool.slots  # the padding row's one visible slot: zeros
+    assert layout.positions.tolist() == [5, 2, 9, 0]
+
+
+@pytest.mark.parametrize("name", ["gpt_bigcode_mqa12", "mistral"])
+def test_the_compiled_step_gets_the_eager_tokens_and_runs_every_decode_step(name, tokenizer):
+    """StarCoder's multi-query layout and a sliding window of 4: greedy tokens equal eager's and HF
+    generate's, log-probabilities within 1e-4 (the compiler reorders sums), the seeded row's tokens equal.
+    Only the prefill steps run the model's Python: every decode step, at 1, 2 and 3 rows, took the graph."""
+    model = build(name)
+    ended = {}
+    for compiled in (False, True):
+        engine = engine_for(model, tokenizer, limits=ROOMY)
+        if compiled:
+            assert engine.batch.compile() > 0
+            engine.batch.compiled = engine.batch.graph
+            eager = EagerForwards(model)
+        arrivals = _jobs()
+        drive(engine, arrivals)
+        ended[compiled] = [j.emit.ended for js in arrivals.values() for j in js]
+    assert eager.count <= 4, f"{eager.count} forwards ran eager; only the 3 prefills should"
+    for c, e in zip(ended[True], ended[False], strict=True):
+        assert tokens_of(c) == tokens_of(e)
+    for c, e in zip(ended[True][0][2].logprobs, ended[False][0][2].logprobs, strict=True):
+        assert c.logprob == pytest.approx(e.logprob, abs=1e-4)
+    prompt = list(_jobs()[0][0].row.ids)
+    assert tokens_of(ended[True][0]) == generate(model, torch.tensor([prompt]), max_new_tokens=30)[0, 5:].tolist()
+
+
+def _compiled_rows(model_dir: str, tokenizer_dir: str, prompt: list[int]) -> list | None:
+    """A pool task: this rank's shard, compiled, serving a greedy and a seeded row; rank 0's end events."""
+    from transformers import AutoTokenizer
+
+    import autotp
+
+    model = autotp.from_pretrained(model_dir, check_inputs=False)
+    ended = run_on_ranks(model, AutoTokenizer.from_pretrained(tokenizer_dir), lambda: {
+        0: [job(prompt, 24, index=0)], 3: [job(prompt[:4], 16, 0.8, seed=9, index=1)]}, compile=True)
+    return None if ended is None else [e for e, _ in ended]
+
+
+def test_sharded_compiled_rows_get_the_unsharded_tokens(pools, tokenizer, tokenizer_dir, tmp_path):
+    """tp 2, StarCoder's layout: the graph's all-reduces are autotp's shared-memory ops, and the tokens are
+    the unsharded model's."""
+    model = build("gpt_bigcode_mqa12")
+    model.save_pretrained(tmp_path)
+    prompt = [3, 17, 42, 8, 99, 51, 23]
+    greedy, seeded = pools(2).run(_compiled_rows, str(tmp_path), tokenizer_dir, prompt)[0]
+    assert tokens_of(greedy) == generate(model, torch.tensor([prompt]), max_new_tokens=24)[0, 7:].tolist()
+    alone = job(prompt[:4], 16, 0.8, seed=9)
+    drive(engine_for(model, tokenizer), {0: [alone]})
+    assert tokens_of(seeded) == tokens_of(alone.emit.ended)
+
+
+def test_a_machine_without_a_compiler_is_served_eager_after_one_warning(demo_tmp_compiler_free):
+    """`autotp serve --compile` where inductor's C++ compiler is missing: one warning line naming the
+    failure, and the answers are the eager server's."""
+    server, log = demo_tmp_compiler_free
+    text = server.text()
+    warnings = [line for line in text.splitlines() if "did not compile" in line]
+    assert len(warnings) == 1, text
+    answer = server.client.completions.create(model=server.model_id, prompt="def f(x):", max_tokens=12,
+                                              temperature=0)
+    assert answer.choices[0].text
+
+
+@pytest.fixture
+def demo_tmp_compiler_free(tmp_path):
+    server = Server(DEMO, tmp_path / "server.log", "--compile",
+                    env={"CXX": "/nonexistent/c++", "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
+                         "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")})
+    try:
+        yield server, tmp_path / "server.log"
+    finally:
+        server.kill()
+
+
+def test_a_client_of_a_compiled_server_gets_the_unsharded_text(tmp_path):
+    """`autotp serve --compile` at tp 2 on the demo model through the openai client: rank 0 reports the
+    warm-up, and greedy text, streamed or not, is the unsharded model's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, tok = AutoModelForCausalLM.from_pretrained(DEMO, dtype=torch.float32), AutoTokenizer.from_pretrained(DEMO)
+    server = Server(DEMO, tmp_path / "server.log", "--compile", "--dtype", "float32", "--speculate", "0")
+    try:
+        assert "compiled the decode step in" in server.text()
+        prompt = "def print_hello_world():"
+        answer = server.client.completions.create(model=server.model_id, prompt=prompt, max_tokens=40, temperature=0)
+        ids = tok(prompt).input_ids
+        want = generate(model, torch.tensor([ids]), max_new_tokens=40)[0, len(ids):].tolist()
+        assert answer.choices[0].text == tok.decode(want, skip_special_tokens=True)
+        stream = server.client.completions.create(model=server.model_id, prompt=prompt, max_tokens=40, temperature=0,
+                                                  stream=True)
+        assert "".join(c.choices[0].text for c in stream if c.choices) == answer.choices[0].text
+    finally:
+        server.kill()
