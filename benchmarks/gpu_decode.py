@@ -1,11 +1,16 @@
-"""Decode ms/token on one GPU: plain HF vs autotp tp 1, a StarCoder-15.5B-shaped random bf16 model.
+"""Decode ms/token on GPUs: plain HF, autotp, and `autotp serve`'s step eager and compiled, a
+StarCoder-15.5B-shaped random bf16 model.
 
     python benchmarks/gpu_decode.py [--batch 1 16] [--new-tokens 32] [--runs 5]
+    torchrun --nproc-per-node 4 benchmarks/gpu_decode.py      # tp 4: autotp's systems only
 
-The model is built on the GPU from its config with random weights (no checkpoint files, ~31 GB of HBM),
-timed as plain HF, then sharded in place by `autotp.init_inference` (tp 1: the same weights, autotp's
-layers) and timed again. Beside each number is the HBM floor: weight bytes / the device-to-device copy
-bandwidth measured here, the time one decode step needs just to read every weight once. Writes
+The model is built on each rank's GPU from its config with random weights (no checkpoint files, ~31 GB of
+HBM; every rank draws the same ones), timed as plain HF (tp 1 only), then sharded in place by
+`autotp.init_inference` and timed through HF's cache ("autotp"), then through the serve engine's paged
+step ("engine": serve/runner.py, the forward `autotp serve` runs, no scheduler or HTTP), then through
+its compiled step ("compiled": serve/compiled.py, CUDA graphs; its warm-up seconds printed). Beside
+each number is the HBM floor: this rank's weight bytes / the device-to-device copy bandwidth measured
+here, the time one decode step needs just to read every weight once. Writes
 benchmarks/results/gpu_decode.json. One prepared run of a few minutes; fails at once without CUDA.
 """
 
@@ -60,6 +65,33 @@ def decode_ms(model, batch: int, prompt_len: int, new_tokens: int, runs: int) ->
     return statistics.median(times)
 
 
+def engine_ms(batch_obj, rows: int, prompt_len: int, new_tokens: int, runs: int) -> float:
+    """The same for the serve engine's paged step: `rows` rows prefilled in one step, then `new_tokens`
+    decode steps, each row's next token its argmax. Every rank runs the same steps (no scheduler)."""
+    from autotp.serve.wire import Step
+
+    size = batch_obj.pool.block_size
+    blocks = -(-(prompt_len + new_tokens + 1) // size)
+    prompt = torch.randint(0, 1000, (rows, prompt_len), generator=torch.Generator().manual_seed(1)).tolist()
+    times = []
+    for i in range(runs + 1):
+        table = {r: tuple(range(r * blocks, (r + 1) * blocks)) for r in range(rows)}
+        step = Step(work=tuple((r, tuple(prompt[r]), 0, table[r], True, False) for r in range(rows)))
+        batch_obj.apply(step)
+        tokens = batch_obj.run(step).logits.argmax(-1).tolist()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for n in range(new_tokens):
+            step = Step(work=tuple((r, (tokens[r],), prompt_len + n, (), True, False) for r in range(rows)))
+            batch_obj.apply(step)
+            tokens = batch_obj.run(step).logits.argmax(-1).tolist()
+        torch.cuda.synchronize()
+        batch_obj.discard(list(table))
+        if i:
+            times.append((time.perf_counter() - start) * 1e3 / new_tokens)
+    return statistics.median(times)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
@@ -75,28 +107,51 @@ def main() -> None:
     from transformers import GPTBigCodeConfig, GPTBigCodeForCausalLM
 
     import autotp
+    from autotp.serve.engine import backend
+    from autotp.serve.paged import probe
+    from autotp.serve.scheduler import Limits
 
+    tp, rank = int(os.environ["WORLD_SIZE"]), int(os.environ.get("RANK", 0))
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     torch.manual_seed(0)
     config = GPTBigCodeConfig(**STARCODER_15B)
     with torch.device("cuda"):  # built on the GPU directly: no 31 GB host copy, no checkpoint files
         model = GPTBigCodeForCausalLM._from_config(config, dtype=torch.bfloat16).eval()
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     bandwidth = copy_bandwidth_gbs()
-    floor_ms = weight_bytes / (bandwidth * 1e9) * 1e3
     rows = []
-    for system in ("hf", "autotp"):
-        if system == "autotp":
-            model = autotp.init_inference(model, mp_size=1, dtype=torch.bfloat16, device="cuda").module
-        for batch in args.batch:
-            ms = decode_ms(model, batch, args.prompt_len, args.new_tokens, args.runs)
-            rows.append({"system": system, "tp": 1, "batch": batch, "decode_ms_per_token": round(ms, 2),
-                         "hbm_floor_ms": round(floor_ms, 2), "x_floor": round(ms / floor_ms, 2)})
-            print(f"{system:>6} batch {batch:>3}: {ms:7.2f} ms/token  (HBM floor {floor_ms:.2f} ms, "
+
+    def report(system: str, batch: int, ms: float) -> None:
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # this rank's
+        floor_ms = weight_bytes / (bandwidth * 1e9) * 1e3
+        rows.append({"system": system, "tp": tp, "batch": batch, "decode_ms_per_token": round(ms, 2),
+                     "hbm_floor_ms": round(floor_ms, 2), "x_floor": round(ms / floor_ms, 2)})
+        if rank == 0:
+            print(f"{system:>8} tp {tp} batch {batch:>3}: {ms:7.2f} ms/token  (HBM floor {floor_ms:.2f} ms, "
                   f"{ms / floor_ms:.2f}x)", flush=True)
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "weights_gib": round(weight_bytes / 2**30, 2), "copy_bandwidth_gbs": round(bandwidth, 1),
+
+    if tp == 1:
+        for batch in args.batch:
+            report("hf", batch, decode_ms(model, batch, args.prompt_len, args.new_tokens, args.runs))
+    model = autotp.init_inference(model, mp_size=tp, dtype=torch.bfloat16, device="cuda").module
+    for batch in args.batch:
+        report("autotp", batch, decode_ms(model, batch, args.prompt_len, args.new_tokens, args.runs))
+    limits = Limits(max(args.batch), 8192, max(args.batch) * (args.prompt_len + args.new_tokens + 32))
+    paged, _ = backend(model, probe(model)[0], limits, 16, False, rank0=False)
+    for system in ("engine", "compiled"):
+        if system == "compiled":
+            warm = paged.compile()
+            paged.compiled = paged.graph
+            if rank == 0:
+                print(f"compiled the decode step in {warm:.1f} s", flush=True)
+        for batch in args.batch:
+            report(system, batch, engine_ms(paged, batch, args.prompt_len, args.new_tokens, args.runs))
+    if rank != 0:
+        return
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "tp": tp,
+              "compile_warm_up_s": round(warm, 1),
+              "copy_bandwidth_gbs": round(bandwidth, 1),
               "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "runs": args.runs, "rows": rows}
-    write_json(HERE / "results" / "gpu_decode.json", result)
+    write_json(HERE / "results" / f"gpu_decode{'' if tp == 1 else f'_tp{tp}'}.json", result)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,19 @@
-"""The compiled decode step (`autotp serve --compile`, serve/compiled.py): the tokens eager gets, on the
-graph and not beside it, sharded, and a compiler that fails costs a warning, not the server."""
+"""The compiled decode step (`autotp serve --compile`, serve/compiled.py; `autotp generate --compile`): the
+tokens eager gets, on the graph and not beside it, sharded, and a compiler that fails costs a warning, not
+the server or the run."""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from checkpoints import word_tokenizer
 from engine_driver import ROOMY, drive, engine_for, job, run_on_ranks
+from pool import free_port
 from serve_harness import Server
 from test_continuous import build, tokens_of
 
@@ -155,3 +162,28 @@ def test_a_client_of_a_compiled_server_gets_the_unsharded_text(tmp_path):
         assert "".join(c.choices[0].text for c in stream if c.choices) == answer.choices[0].text
     finally:
         server.kill()
+
+
+def _generate(tp: int, model_dir, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp), "--master-port",
+           str(free_port()), "-m", "autotp", "generate", "--model", str(model_dir), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+@pytest.mark.parametrize("no_compiler", [False, True], ids=["compiled", "no-compiler"])
+def test_generate_compile_at_tp2_prints_the_unsharded_tokens(tmp_path, no_compiler):
+    """`torchrun --nproc-per-node 2 -m autotp generate --compile` on StarCoder's layout: rank 0 says the step
+    compiled (or, without a C++ compiler, one warning that it runs eager), and the tokens are HF's unsharded."""
+    model = build("gpt_bigcode_mqa12")
+    model.save_pretrained(tmp_path / "model")
+    prompt = [3, 17, 42, 8, 99, 51, 23]
+    env = {"CXX": "/nonexistent/c++", "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")} if no_compiler else None
+    out = _generate(2, tmp_path / "model", "--input-ids", ",".join(map(str, prompt)), "--max-new-tokens", "20",
+                    "--compile", "--json", env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    said = [line for line in out.stderr.splitlines() if "decode step" in line]
+    assert len(said) == 1 and ("did not compile" in said[0]) == no_compiler, out.stderr[-3000:]
+    want = generate(model, torch.tensor([prompt]), max_new_tokens=20)[0].tolist()
+    assert json.loads(out.stdout)["output_ids"] == [want]

@@ -156,7 +156,8 @@ def cmd_generate(args) -> int:
     out = generate(model, ids, max_new_tokens=args.max_new_tokens, do_sample=do_sample,
                    temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                    num_beams=args.num_beams, seed=args.seed, tokenizer=tokenizer,
-                   stream=not args.json and tokenizer is not None, max_model_len=args.max_model_len)
+                   stream=not args.json and tokenizer is not None, max_model_len=args.max_model_len,
+                   compile=args.compile)
     new = out[0, ids.shape[-1]:]
     if args.json:
         completion = tokenizer.decode(new, skip_special_tokens=True) if tokenizer is not None else None
@@ -248,6 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                          "as in the server)")
     gen.add_argument("--num-beams", type=positive_int, default=1, help="beam search width")
     gen.add_argument("--seed", type=int, help="sampling seed (default: drawn on rank 0, shared)")
+    gen.add_argument("--compile", action="store_true",
+                     help="decode through one graph compiled by torch.compile first (HF's static cache); pays "
+                          "when many tokens follow the compilation; where it fails, eager after a warning")
     gen.add_argument("--dtype", choices=DTYPE_CHOICES, help="weights dtype (default: as stored)")
     add_quantize_flags(gen)
     gen.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available, else cpu")

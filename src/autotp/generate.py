@@ -8,10 +8,12 @@ gave none) makes sampled tokens agree too.
 from __future__ import annotations
 
 import random
+import sys
+import time
 
 import torch
 import torch.distributed as dist
-from transformers import LogitsProcessorList, TextStreamer
+from transformers import CompileConfig, LogitsProcessorList, StoppingCriteria, TextStreamer
 
 from autotp import distributed
 from autotp.errors import AutotpError
@@ -112,13 +114,16 @@ def shared_seed(seed: int | None) -> int:
 def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int, do_sample: bool = False,
              temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, num_beams: int = 1,
              seed: int | None = None, tokenizer=None, stream: bool = False,
-             max_model_len: int | None = None) -> torch.Tensor:
+             max_model_len: int | None = None, compile: bool = False) -> torch.Tensor:
     """prompt ids (batch, prompt_len) -> (batch, prompt_len + new) on every rank; streams on rank 0.
     The prompt and the new tokens must fit `context_limit(model.config, tokenizer, max_model_len)`.
 
     Sampling draws through autotp.sampler, the server's sampler: each row with its own generator seeded
     with `seed` (drawn on rank 0 and shared when None), so the same prompt, parameters and seed give the
-    text `autotp serve` gives. HF's own sampling defaults in the model's generation_config do not apply."""
+    text `autotp serve` gives. HF's own sampling defaults in the model's generation_config do not apply.
+
+    compile: decode steps through one compiled graph (HF's static cache and `torch.compile`), compiled by a
+    warm-up before the first token is streamed; where the compiler fails, eager, after one warning line."""
     check_length(*context_limit(model.config, tokenizer, max_model_len), input_ids.shape[-1], max_new_tokens)
     check_ids(model.config, input_ids)
     seed = shared_seed(seed)
@@ -130,8 +135,44 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int, do_sample: 
     if do_sample:  # HF runs greedy over the sampler's one-hot scores
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         processors.append(SamplerProcessor(params, input_ids.shape[0], model.device))
-    pad = pad_token_id(model.generation_config)
+    args = dict(inputs=input_ids.to(model.device), attention_mask=torch.ones_like(input_ids).to(model.device),
+                pad_token_id=pad_token_id(model.generation_config), do_sample=False, num_beams=num_beams,
+                max_new_tokens=max_new_tokens, logits_processor=processors)
+    if compile:
+        args |= _compiled(model, args)
     with torch.inference_mode():
-        return model.generate(input_ids.to(model.device), attention_mask=torch.ones_like(input_ids).to(model.device),
-                              pad_token_id=pad, do_sample=False, num_beams=num_beams, max_new_tokens=max_new_tokens,
-                              logits_processor=processors, streamer=streamer)
+        return model.generate(**args, streamer=streamer)
+
+
+class _Tokens(StoppingCriteria):
+    """Stops every row once it has `n` tokens."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.n, device=input_ids.device)
+
+
+def _compiled(model, args: dict) -> dict:
+    """model.generate's arguments for compiled decode steps, compiled now by a warm-up of two tokens with the
+    same shapes (its first decode step compiles the graph); {} where the compiler failed, said in one line.
+    Every rank compiles at once: the graph's collectives run (parallel/collectives.py)."""
+    cuda = model.device.type == "cuda"
+    config = CompileConfig(fullgraph=True, mode="reduce-overhead" if cuda else "default")
+    config._compile_all_devices = True  # HF compiles on GPUs only unless told (its own flag for CPU)
+    extra = dict(cache_implementation="static", compile_config=config)
+    start = time.perf_counter()
+    try:
+        with torch.inference_mode():
+            model.generate(**args, **extra, stopping_criteria=[_Tokens(args["inputs"].shape[1] + 2)])
+    except torch._dynamo.exc.TorchDynamoException as e:
+        why = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+    else:  # HF compiles only what it deems compilable (a cache it can compile, no offload, no quantizer saying no)
+        why = "" if hasattr(model, "_compiled_call") else "transformers does not compile this model's generate"
+    if why:
+        distributed.print0(f"autotp: warning: the decode step did not compile, it runs eager ({why})",
+                           file=sys.stderr)
+        return {}
+    distributed.print0(f"autotp: compiled the decode step in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    return extra
