@@ -45,14 +45,16 @@ def main() -> None:
     for tp in args.tp:
         for r in ranks(tp, str(ckpt), max(1, os.cpu_count() // tp)):
             target = 1.15 * weights_mib / tp + idle
-            peak = max(r["peak_rss_load_mib"], r["peak_rss_forward_mib"])
+            peak = max(r["peak_rss_load_mib"], r["peak_rss_forward_mib"], r["peak_rss_generate_mib"])
             rows.append({"tp": tp, **r, "target_mib": round(target, 1), "met": peak <= target})
     print(f"starcoderbase-1b shape, {args.dtype}, checkpoint {weights_mib:.0f} MiB, idle-import RSS {idle:.0f} MiB")
     print(f"{'tp':>3} {'rank':>4} {'params MiB':>10} {'read MiB':>9} {'peak RSS load':>13} {'+forward':>9} "
+          f"{'+generate':>9} "
           f"{'target MiB':>10} {'met':>4} {'load s':>7}")
     for r in rows:
         print(f"{r['tp']:>3} {r['rank']:>4} {r['param_mib']:>10} {r['read_mib']:>9} {r['peak_rss_load_mib']:>13} "
-              f"{r['peak_rss_forward_mib']:>9} {r['target_mib']:>10} {'yes' if r['met'] else 'NO':>4} {r['load_s']:>7}")
+              f"{r['peak_rss_forward_mib']:>9} {r['peak_rss_generate_mib']:>9} "
+              f"{r['target_mib']:>10} {'yes' if r['met'] else 'NO':>4} {r['load_s']:>7}")
     write_json(HERE / "results" / f"load_memory_{args.dtype}.json",
                {"checkpoint_mib": round(weights_mib, 1), "idle_rss_mib": round(idle, 1), "rows": rows})
 

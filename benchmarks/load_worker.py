@@ -1,4 +1,5 @@
-"""One rank of the load benchmark (run by load_memory.py under torchrun): load, one forward, write
+"""One rank of the load benchmark (run by load_memory.py under torchrun): load, one forward, a generate of 8
+prompt tokens and 4 new ones (as `autotp generate`), write
 $BENCH_OUT/rank{RANK}.json."""
 
 import json
@@ -29,6 +30,10 @@ load_s = time.perf_counter() - start
 load_peak, after_load = peak_rss_mib(), current_rss_mib()
 with torch.no_grad():
     model(torch.tensor([[1, 2, 3, 4]]))
+forward_peak = peak_rss_mib()
+from autotp.generate import generate  # noqa: E402
+
+generate(model, torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]]), max_new_tokens=4)  # what `autotp generate` adds
 rank = int(os.environ.get("RANK", 0))
 report = {
     "rank": rank,
@@ -37,7 +42,8 @@ report = {
     "read_mib": round(model.autotp.bytes_read / 2**20, 1),
     "peak_rss_load_mib": round(load_peak, 1),
     "rss_after_load_mib": round(after_load, 1),
-    "peak_rss_forward_mib": round(peak_rss_mib(), 1),
+    "peak_rss_forward_mib": round(forward_peak, 1),
+    "peak_rss_generate_mib": round(peak_rss_mib(), 1),
 }
 with open(os.path.join(os.environ["BENCH_OUT"], f"rank{rank}.json"), "w") as f:  # ranks' stdout interleaves
     json.dump(report, f)
