@@ -24,8 +24,8 @@ from common import write_json
 from servers import model_path
 
 from autotp.serve.engine import Engine, Job, StopFlag, backend
-from autotp.serve.paged import probe
-from autotp.serve.scheduler import Limits
+from autotp.serve.planner import Limits
+from autotp.serve.probe import probe
 from autotp.serve.types import Row
 from autotp.serve.wire import Channel
 
@@ -34,7 +34,7 @@ HERE = Path(__file__).parent
 
 def engine(model, tokenizer, paged: bool, rows: int, context: int, steps: int) -> Engine:
     limits = Limits(rows + 1, 2048, (rows + 2) * (context + 2 * steps + 16) + 2 * context)
-    batch, planner = backend(model, probe(model)[0] if paged else None, limits)
+    batch, planner = backend(model, probe(model) if paged else None, limits)
     return Engine(batch, tokenizer, Channel(), StopFlag(), limits, 256, planner=planner)
 
 

@@ -70,8 +70,8 @@ def worker(path: str, batches: list[int], new: int, out: str, startup_only: bool
     import autotp
     import autotp.distributed
     from autotp.serve.engine import StopFlag, backend, follow
-    from autotp.serve.paged import probe
-    from autotp.serve.scheduler import Limits
+    from autotp.serve.planner import Limits
+    from autotp.serve.probe import probe
     from autotp.serve.wire import Channel, Step
 
     env = autotp.distributed.init("cpu")
@@ -79,7 +79,7 @@ def worker(path: str, batches: list[int], new: int, out: str, startup_only: bool
     model = autotp.from_pretrained(path, dtype="float32", check_inputs=False)
     channel = Channel()
     limits = Limits(max(batches), 4096, 8192)
-    batch, planner = backend(model, probe(model)[0], limits, 16, False, rank0=rank == 0)
+    batch, planner = backend(model, probe(model), limits, 16, False, rank0=rank == 0)
     result = {"tp": world, "rows": []}
 
     def phase() -> dict:
@@ -93,7 +93,7 @@ def worker(path: str, batches: list[int], new: int, out: str, startup_only: bool
     if not startup_only:
         eager = phase()
     result["compile_s"] = batch.compile()
-    batch.compiled = batch.graph
+    batch.use_graph()
     if not startup_only:
         compiled = phase()
         if rank == 0:

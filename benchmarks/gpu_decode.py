@@ -68,7 +68,7 @@ def decode_ms(model, batch: int, prompt_len: int, new_tokens: int, runs: int) ->
 def engine_ms(batch_obj, rows: int, prompt_len: int, new_tokens: int, runs: int) -> float:
     """The same for the serve engine's paged step: `rows` rows prefilled in one step, then `new_tokens`
     decode steps, each row's next token its argmax. Every rank runs the same steps (no scheduler)."""
-    from autotp.serve.wire import Step
+    from autotp.serve.wire import Step, Work
 
     size = batch_obj.pool.block_size
     blocks = -(-(prompt_len + new_tokens + 1) // size)
@@ -76,13 +76,13 @@ def engine_ms(batch_obj, rows: int, prompt_len: int, new_tokens: int, runs: int)
     times = []
     for i in range(runs + 1):
         table = {r: tuple(range(r * blocks, (r + 1) * blocks)) for r in range(rows)}
-        step = Step(work=tuple((r, tuple(prompt[r]), 0, table[r], True, False) for r in range(rows)))
+        step = Step(work=tuple(Work(r, tuple(prompt[r]), 0, table[r], True, False) for r in range(rows)))
         batch_obj.apply(step)
         tokens = batch_obj.run(step).logits.argmax(-1).tolist()
         torch.cuda.synchronize()
         start = time.perf_counter()
         for n in range(new_tokens):
-            step = Step(work=tuple((r, (tokens[r],), prompt_len + n, (), True, False) for r in range(rows)))
+            step = Step(work=tuple(Work(r, (tokens[r],), prompt_len + n, (), True, False) for r in range(rows)))
             batch_obj.apply(step)
             tokens = batch_obj.run(step).logits.argmax(-1).tolist()
         torch.cuda.synchronize()
@@ -108,8 +108,8 @@ def main() -> None:
 
     import autotp
     from autotp.serve.engine import backend
-    from autotp.serve.paged import probe
-    from autotp.serve.scheduler import Limits
+    from autotp.serve.planner import Limits
+    from autotp.serve.probe import probe
 
     tp, rank = int(os.environ["WORLD_SIZE"]), int(os.environ.get("RANK", 0))
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -136,11 +136,11 @@ def main() -> None:
     for batch in args.batch:
         report("autotp", batch, decode_ms(model, batch, args.prompt_len, args.new_tokens, args.runs))
     limits = Limits(max(args.batch), 8192, max(args.batch) * (args.prompt_len + args.new_tokens + 32))
-    paged, _ = backend(model, probe(model)[0], limits, 16, False, rank0=False)
+    paged, _ = backend(model, probe(model), limits, 16, False, rank0=False)
     for system in ("engine", "compiled"):
         if system == "compiled":
             warm = paged.compile()
-            paged.compiled = paged.graph
+            paged.use_graph()
             if rank == 0:
                 print(f"compiled the decode step in {warm:.1f} s", flush=True)
         for batch in args.batch:

@@ -82,13 +82,13 @@ def run(model, tok, ids: list[int], k: int) -> tuple[tuple[int, ...], float, int
     """One greedy request alone on a fresh engine: its tokens, seconds, draft tokens and accepted ones."""
     from autotp.serve.engine import Engine, Job, StopFlag, backend
     from autotp.serve.metrics import Metrics
-    from autotp.serve.paged import probe
-    from autotp.serve.scheduler import Limits
+    from autotp.serve.planner import Limits
+    from autotp.serve.probe import probe
     from autotp.serve.types import Row
     from autotp.serve.wire import Channel
 
     limits = Limits(16, 2048, 4096)
-    batch, planner = backend(model, probe(model)[0], limits, 16, True)
+    batch, planner = backend(model, probe(model), limits, 16, True)
     engine = Engine(batch, tok, Channel(), StopFlag(), limits, 16, planner=planner, speculate=k)
     engine.metrics = Metrics(lambda: 0, lambda: 0, lambda: 0.0)
     ended = []

@@ -1,7 +1,7 @@
 """`autotp serve`'s engine without HTTP: jobs submitted at chosen steps, steps run until every job ends.
 
 Runs in one process (tp 1) or on every rank of a pool (rank 0 drives, the others `follow`), so the
-scheduling, the padded cache and the sampler are tested on every family without a server's start-up.
+scheduling, the paged cache and the sampler are tested on every family without a server's start-up.
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from autotp.serve.engine import Engine, Job, StopFlag, backend, follow
-from autotp.serve.paged import probe
-from autotp.serve.scheduler import Limits
+from autotp.serve.planner import Limits
+from autotp.serve.probe import probe
 from autotp.serve.text import TextStream
 from autotp.serve.types import Row
 from autotp.serve.wire import Channel, Step
@@ -78,10 +78,10 @@ def a_long_prompt_beside_decoding_rows(engine: Engine) -> tuple[list[Job], Job]:
     return short, long
 
 
-def engine_for(model, tokenizer, limits: Limits = ROOMY, max_queue: int = 256, paged: bool = True,
-               caching: bool = True, block_size: int = 4, speculate: int = 0) -> Engine:
-    """tp 1: the engine `autotp serve` picks for this model (paged wherever it can), or the padded one."""
-    batch, planner = backend(model, probe(model)[0] if paged else None, limits, block_size, caching)
+def engine_for(model, tokenizer, limits: Limits = ROOMY, max_queue: int = 256, caching: bool = True,
+               block_size: int = 4, speculate: int = 0) -> Engine:
+    """tp 1: the engine `autotp serve` runs for this model."""
+    batch, planner = backend(model, probe(model), limits, block_size, caching, speculate=speculate)
     return Engine(batch, tokenizer, Channel(), StopFlag(), limits, max_queue, planner=planner, speculate=speculate)
 
 
@@ -94,11 +94,11 @@ def run_on_ranks(model, tokenizer, make_arrivals, limits: Limits = ROOMY, specul
 
     channel = Channel()
     try:
-        shapes = probe(model)[0]
-        batch, planner = backend(model, shapes, limits, 4, rank0=dist.get_rank() == 0)
+        shapes = probe(model)
+        batch, planner = backend(model, shapes, limits, 4, rank0=dist.get_rank() == 0, speculate=speculate)
         if compile:
             batch.compile()
-            batch.compiled = batch.graph
+            batch.use_graph()
         if dist.get_rank() != 0:
             assert follow(batch, channel, StopFlag()) == 0
             return None
@@ -214,7 +214,7 @@ def step_collectives(model_dir: str, tokenizer_dir: str) -> dict | None:
             model(torch.tensor([[5], [6]]), cache=cache)
         forward = counter.take()
     channel = Channel()
-    batch, planner = backend(model, probe(model)[0], ROOMY, 4, rank0=dist_module().get_rank() == 0)
+    batch, planner = backend(model, probe(model), ROOMY, 4, rank0=dist_module().get_rank() == 0)
     if dist_module().get_rank() != 0:
         assert follow(batch, channel, StopFlag()) == 0
         channel.close()

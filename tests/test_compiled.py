@@ -18,7 +18,7 @@ from serve_harness import Server
 from test_continuous import build, tokens_of
 
 from autotp.generate import generate
-from autotp.serve.compiled import bucket, decode_layout
+from autotp.serve.compiled import bucket, decode_meta
 from autotp.serve.paged import KvPool
 
 DEMO = str(__import__("pathlib").Path(__import__("autotp").__file__).parent / "demo_model")
@@ -59,15 +59,16 @@ class EagerForwards:
 
 def test_padding_rows_write_the_scratch_slot_and_read_only_the_zero_slot():
     pool = KvPool([(1, 4, torch.float32)], num_blocks=8, block_size=4, device=torch.device("cpu"))
-    layout, rows = decode_layout(pool, [[3, 5], [6], [1, 2, 7]], [5, 2, 9], "cpu")
+    meta, rows = decode_meta(pool, [[3, 5], [6], [1, 2, 7]], [5, 2, 9], "cpu")
     assert [bucket(n) for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8] and rows == 4
-    assert layout.decode_slots.shape == (4, 16)  # 9 // 4 = block 2: four blocks of 4, a power of two
-    assert layout.write.tolist() == [5 * 4 + 1, 6 * 4 + 2, 7 * 4 + 1, pool.scratch]
-    assert layout.decode_slots[0, :6].tolist() == [12, 13, 14, 15, 20, 21]
-    assert layout.decode_mask[:, 0, 0].sum(1).tolist() == [6, 3, 10, 1]
-    assert (layout.decode_slots[~layout.decode_mask[:, 0, 0]] == pool.slots).all()
-    assert layout.decode_slots[3, 0] == pool.slots  # the padding row's one visible slot: zeros
-    assert layout.positions.tolist() == [5, 2, 9, 0]
+    group, = meta.groups
+    assert group.slots.shape == (4, 16)  # 9 // 4 = block 2: four blocks of 4, a power of two
+    assert meta.slot_mapping.tolist() == [5 * 4 + 1, 6 * 4 + 2, 7 * 4 + 1, pool.scratch]
+    assert group.slots[0, :6].tolist() == [12, 13, 14, 15, 20, 21]
+    assert group.visible[:, 0, 0].sum(1).tolist() == [6, 3, 10, 1]
+    assert (group.slots[~group.visible[:, 0, 0]] == pool.slots).all()
+    assert group.slots[3, 0] == pool.slots  # the padding row's one visible slot: zeros
+    assert meta.positions.tolist() == [5, 2, 9, 0]
 
 
 @pytest.mark.parametrize("name", ["gpt_bigcode_mqa12", "mistral"])
@@ -81,7 +82,7 @@ def test_the_compiled_step_gets_the_eager_tokens_and_runs_every_decode_step(name
         engine = engine_for(model, tokenizer, limits=ROOMY)
         if compiled:
             assert engine.batch.compile() > 0
-            engine.batch.compiled = engine.batch.graph
+            engine.batch.use_graph()
             eager = EagerForwards(model)
         arrivals = _jobs()
         drive(engine, arrivals)

@@ -13,11 +13,10 @@ import families
 import pytest
 import torch
 from checkpoints import word_tokenizer
-from engine_driver import a_long_prompt_beside_decoding_rows, drive, engine_for, job, recorded
+from engine_driver import drive, engine_for, job
 
 from autotp.generate import generate
-from autotp.serve.engine import Job
-from autotp.serve.scheduler import Limits, Need, admit, chunk_size, peak_kv
+from autotp.serve.planner import Limits
 
 # (prompt length, max_tokens, temperature, top_p, top_k, seed, arrival step): greedy and sampled rows,
 # two prompts longer than the 16-token chunk, six rows for four sequence slots
@@ -118,50 +117,9 @@ def test_a_seeded_row_joining_a_busy_batch_midway_gets_its_text_alone(tokenizer)
     assert len(lone.emit.ended[2].tokens) == 20
 
 
-def test_padded_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode(tokenizer):
-    """The padded engine (BLOOM, Falcon, MPT): every step stays within max_num_batched_tokens and every running
-    row gets a token in every step."""
+def test_a_cancelled_row_leaves_at_the_next_step_and_frees_its_memory(tokenizer):
     model = build("llama")
-    limits = Limits(max_num_seqs=4, max_num_batched_tokens=8, kv_tokens=10_000)
-    engine = engine_for(model, tokenizer, limits, paged=False)
-    sent = recorded(engine)
-    _, long = a_long_prompt_beside_decoding_rows(engine)
-    for step in sent:
-        rows = len(step.admit) or 1  # a step that goes on with a prefill: the long prompt alone
-        assert len(step.tokens) + step.chunk * rows <= limits.max_num_batched_tokens
-    start = next(i for i, s in enumerate(sent) if any(len(ids) == 45 for _, ids in s.admit))
-    # 8 tokens per step, 3 of them the running rows' decode: 9 chunks of 5, and no running row skips a step
-    assert [(s.chunk, len(s.tokens)) for s in sent[start:start + 9]] == [(5, 3)] * 9
-    assert sent[start + 9].chunk == 0
-    x = torch.tensor([long.row.ids])
-    assert tokens_of(long.emit.ended) == generate(model, x, max_new_tokens=4)[0, 45:].tolist()
-
-
-def test_padded_the_kv_budget_is_never_exceeded_and_admission_waits_for_room(tokenizer):
-    model = build("llama")
-    limits = Limits(max_num_seqs=8, max_num_batched_tokens=64, kv_tokens=90)
-    engine = engine_for(model, tokenizer, limits, paged=False)
-    used, together = [], []
-
-    def look(step, e):
-        b = e.batch
-        running = b.running.mask.numel() if b.running is not None else 0
-        prefill = b.prefill.batch.mask.numel() if b.prefill is not None else 0
-        used.append(running + prefill)
-        together.append(len(b.rows()))
-
-    g = torch.Generator().manual_seed(2)
-    jobs = [job(torch.randint(0, 101, (10,), generator=g).tolist(), 20, index=i) for i in range(6)]
-    drive(engine, {0: jobs}, on_step=look)
-    assert max(used) <= 90 and max(together) == 3  # 3 x (10 + 20) = 90 fits, a fourth would not
-    for j in jobs:
-        assert tokens_of(j.emit.ended) == generate(model, torch.tensor([j.row.ids]), max_new_tokens=20)[0, 10:].tolist()
-
-
-@pytest.mark.parametrize("paged", [True, False])
-def test_a_cancelled_row_leaves_at_the_next_step_and_frees_its_memory(tokenizer, paged):
-    model = build("llama")
-    engine = engine_for(model, tokenizer, paged=paged)
+    engine = engine_for(model, tokenizer)
     jobs = [job([5, 6, 7], 30, index=i) for i in range(3)]
     rows = []
 
@@ -175,27 +133,6 @@ def test_a_cancelled_row_leaves_at_the_next_step_and_frees_its_memory(tokenizer,
     assert tokens_of(jobs[0].emit.ended) == tokens_of(jobs[2].emit.ended)
 
 
-def test_peak_kv_by_hand():
-    # t = 5: both rows run, the batch is max(10, 3) + 5 = 15 wide: 30 slots; t = 20: 3 + 20 = 23
-    assert peak_kv([Need(10, 5), Need(3, 20)]) == 30
-    assert peak_kv([Need(3, 20)]) == 23 and peak_kv([]) == 0
-    # three rows of 10 + 20 end together: 3 x 30
-    assert peak_kv([Need(10, 20)] * 3) == 90
-
-
-def test_admission_by_hand():
-    roomy = Limits(max_num_seqs=2, max_num_batched_tokens=16, kv_tokens=10_000)
-    assert admit([Need(4, 4)] * 3, [], roomy) == 2  # the sequence limit
-    assert admit([Need(10, 4), Need(10, 4)], [], roomy) == 1  # 2 x 10 prompt tokens exceed one 16-token chunk
-    assert admit([Need(40, 2), Need(2, 2)], [], roomy) == 1  # the long one is prefilled alone, in chunks
-    assert admit([Need(4, 4)], [Need(5, 5)] * 2, roomy) == 0  # both slots are taken
-    tight = Limits(max_num_seqs=8, max_num_batched_tokens=64, kv_tokens=39)
-    assert admit([Need(10, 10)], [Need(10, 10)], tight) == 0  # 2 x 20 = 40 > 39: waits
-    assert admit([Need(10, 10)], [Need(10, 10)], Limits(8, 64, 40)) == 1
-    assert admit([Need(30, 30), Need(1, 1)], [], tight) == 0  # first come, first served: nobody overtakes
-    assert chunk_size(1, 30, 3, roomy) == 13 and chunk_size(2, 5, 0, roomy) == 5
-
-
 def test_every_step_costs_one_forward_and_one_broadcast(pools, saved, tokenizer):
     """Per step the ranks pay the model's own collectives once and one broadcast of the step, nothing more:
     a step that prefills a new prompt while the others decode runs them in the same forward; no input-guard
@@ -206,40 +143,18 @@ def test_every_step_costs_one_forward_and_one_broadcast(pools, saved, tokenizer)
     forward = out["forward"]
     assert forward == {"all_reduce": 2 * 2 + 1, "all_gather": 1}  # 2 layers x 2, the embedding; logits
     ran = [(work, counts) for work, counts in out["steps"] if work]
-    mixed = [counts for work, counts in ran if {len(w[1]) > 1 for w in work} == {True, False}]
+    mixed = [counts for work, counts in ran if {len(w.tokens) > 1 for w in work} == {True, False}]
     assert len(ran) >= 12 and len(mixed) == 1  # the third prompt's prefill beside two decoding rows
     for work, counts in ran:
         assert counts == forward | {"broadcast": 1}, (work, counts)
 
 
-def test_padded_a_prompt_cancelled_while_its_chunks_run_leaves_and_the_others_go_on(tokenizer):
-    model = build("llama")
-    engine = engine_for(model, tokenizer, Limits(max_num_seqs=4, max_num_batched_tokens=8, kv_tokens=10_000),
-                        paged=False)
-    g = torch.Generator().manual_seed(3)
-    short = job(torch.randint(0, 101, (4,), generator=g).tolist(), 20, index=0)
-    long = job(torch.randint(0, 101, (45,), generator=g).tolist(), 4, index=1)
-    held = []
-
-    def cancel_mid_prefill(step, e):
-        if e.batch.prefill is not None and 8 < e.batch.prefill.done < 45:
-            long.cancelled = True
-        held.append(e.batch.rows())
-
-    drive(engine, {0: [short], 2: [long]}, on_step=cancel_mid_prefill)
-    gone = next(i for i in range(len(held)) if long.cancelled and len(held[i]) == 1 and i > 3)
-    assert all(len(rows) == 1 for rows in held[gone:]) and long.emit.ended is None
-    x = torch.tensor([short.row.ids])
-    assert tokens_of(short.emit.ended) == generate(model, x, max_new_tokens=20)[0, 4:].tolist()
-
-
-@pytest.mark.parametrize("paged", [True, False])
-def test_a_forward_that_raises_fails_its_rows_with_500_and_the_engine_goes_on(tokenizer, paged):
+def test_a_forward_that_raises_fails_its_rows_with_500_and_the_engine_goes_on(tokenizer):
     """The same error on every rank (here: the one rank) fails the rows of that forward; later rows run."""
     model = build("llama")
-    engine = engine_for(model, tokenizer, paged=paged)
+    engine = engine_for(model, tokenizer)
     boom = {"armed": True}
-    two_row_decode = (1, 2) if paged else (2, 1)  # paged: the rows' tokens flattened into one input
+    two_row_decode = (1, 2)  # the rows' tokens flattened into one input
 
     def raise_once(module, args, kwargs):
         if boom["armed"] and kwargs["input_ids"].shape == two_row_decode:
@@ -257,47 +172,6 @@ def test_a_forward_that_raises_fails_its_rows_with_500_and_the_engine_goes_on(to
     assert pair[0].emit.ended[2] == (500, "generation failed: RuntimeError: injected failure")
     x = torch.tensor([later.row.ids])
     assert tokens_of(later.emit.ended) == generate(model, x, max_new_tokens=10)[0, 3:].tolist()
-
-
-def forwards_of(model, new: Job, fail_decode_after_its_prefill: bool = False) -> list[tuple]:
-    """Hooks model's forward: records (input shape, tokens `new` has streamed so far) per forward and,
-    if asked, raises in the first one-column forward after `new`'s prefill (a (1, 4) forward)."""
-    seen: list[tuple] = []
-
-    def record(module, args, kwargs):
-        shape = tuple(kwargs["input_ids"].shape)
-        seen.append((shape, sum(e[0] == "token" for e in new.emit.events)))
-        prefilled = any(s == (1, 4) for s, _ in seen[:-1])
-        if fail_decode_after_its_prefill and prefilled and shape == (1, 1) and seen[-2][0] == (1, 4):
-            raise RuntimeError("injected failure")
-
-    model.model.register_forward_pre_hook(record, with_kwargs=True)
-    return seen
-
-
-def test_padded_a_new_rows_first_token_is_out_before_the_running_rows_decode(tokenizer):
-    """The padded engine: a step that completes a prefill and decodes the running rows samples the new rows
-    between its two forwards: their first token streams while the decode runs, not after it."""
-    model = build("llama")
-    running, new = job([5, 6, 7], 10, index=0), job([8, 9, 10, 11], 5, stream=True, index=1)
-    expected = generate(model, torch.tensor([new.row.ids]), max_new_tokens=5)[0, 4:].tolist()
-    seen = forwards_of(model, new)
-    drive(engine_for(model, tokenizer, paged=False), {0: [running], 3: [new]})
-    at = [s for s, _ in seen].index((1, 4))
-    assert seen[at + 1] == ((1, 1), 1), seen  # the running row's decode, the new row's token already out
-    assert tokens_of(new.emit.ended) == expected
-
-
-def test_padded_a_decode_that_raises_after_a_prefill_fails_only_the_running_rows(tokenizer):
-    """The padded engine: the decode forward fails in the step that completed a prefill: the running rows get 500, the
-    prefilled row has its first token and goes on to its text alone."""
-    model = build("llama")
-    running, new = job([5, 6, 7], 10, index=0), job([8, 9, 10, 11], 5, stream=True, index=1)
-    expected = generate(model, torch.tensor([new.row.ids]), max_new_tokens=5)[0, 4:].tolist()
-    forwards_of(model, new, fail_decode_after_its_prefill=True)
-    drive(engine_for(model, tokenizer, paged=False), {0: [running], 3: [new]})
-    assert running.emit.ended[2] == (500, "generation failed: RuntimeError: injected failure")
-    assert tokens_of(new.emit.ended) == expected
 
 
 def test_ranks_that_fail_alike_with_their_own_messages_fail_the_rows_and_go_on(pools, saved, tokenizer):

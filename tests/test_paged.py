@@ -16,8 +16,7 @@ from test_continuous import build, tokens_of
 
 from autotp.generate import generate
 from autotp.serve.blocks import BlockPool
-from autotp.serve.planner import PagedPlanner
-from autotp.serve.scheduler import Limits
+from autotp.serve.planner import Limits, PagedPlanner
 
 
 @pytest.fixture(scope="module")
@@ -95,14 +94,14 @@ def test_a_prompt_extending_a_cached_one_computes_only_its_new_blocks_and_always
     cached = list(range(1, 13))  # three full blocks
     held(pool, cached)
     work = plan_tokens(planner, {}, [(tuple(cached + [13, 14]), 5, False)], [])
-    row, ids, start, blocks, sample, every = work[0]
+    row, ids, start, blocks, sample, every, _ = work[0]
     assert (start, ids, sample, every) == (12, (13, 14), True, False) and len(blocks) == 4  # 3 shared + 1 new
     # the same 12 tokens again: the third block is not taken, its last token gives the first new one
     work = plan_tokens(planner, {}, [(tuple(cached), 5, False)], [])
-    assert work[0][2] == 8 and work[0][1] == (9, 10, 11, 12)
+    assert work[0].start == 8 and work[0].tokens == (9, 10, 11, 12)
     # a row that wants its prompt's log-probabilities computes everything
     work = plan_tokens(planner, {}, [(tuple(cached), 5, True)], [])
-    assert work[0][2] == 0 and work[0][5]
+    assert work[0].start == 0 and work[0].every
 
 
 def test_admission_waits_for_blocks_first_come_first_served_and_running_rows_decode_every_step():
@@ -111,11 +110,11 @@ def test_admission_waits_for_blocks_first_come_first_served_and_running_rows_dec
     admitted: list[int] = []
     # 10 + 6 tokens: 4 blocks for its life; the second (4 + 8: 3 blocks) would need 7 of 6: it waits
     work = plan_tokens(planner, {}, [(tuple(range(10)), 7, False), (tuple(range(50, 54)), 9, False)], admitted)
-    assert admitted == [0] and [(w[0], len(w[1])) for w in work] == [(100, 8)]  # the 8-token budget
+    assert admitted == [0] and [(w.row, len(w.tokens)) for w in work] == [(100, 8)]  # the 8-token budget
     planner.ran(planner_step(work), {100: (tuple(range(10)), [])})
     rows = {100: (tuple(range(10)), [])}
     work = plan_tokens(planner, rows, [(tuple(range(50, 54)), 9, False)], admitted)
-    assert [(w[0], w[1], w[2]) for w in work] == [(100, (8, 9), 8)] and admitted == [0]
+    assert [(w.row, w.tokens, w.start) for w in work] == [(100, (8, 9), 8)] and admitted == [0]
 
 
 def planner_step(work):
@@ -130,9 +129,9 @@ def test_a_steps_tokens_stay_within_the_budget_and_every_running_row_computes_in
     engine = engine_for(model, tokenizer, limits)
     sent = recorded(engine)
     _, long = a_long_prompt_beside_decoding_rows(engine)
-    assert all(sum(len(w[1]) for w in s.work) <= limits.max_num_batched_tokens for s in sent)
-    chunks = [(len(w[1]), sum(len(v[1]) == 1 for v in s.work)) for s in sent for w in s.work if len(w[1]) > 1
-              and len(w[1]) != 4]
+    assert all(sum(len(w.tokens) for w in s.work) <= limits.max_num_batched_tokens for s in sent)
+    chunks = [(len(w.tokens), sum(len(v.tokens) == 1 for v in s.work)) for s in sent for w in s.work
+              if len(w.tokens) > 1 and len(w.tokens) != 4]
     assert chunks == [(5, 3)] * 9  # 45 tokens: 9 chunks of 5 beside the 3 rows' decodes, in the same forward
     x = torch.tensor([long.row.ids])
     assert tokens_of(long.emit.ended) == generate(model, x, max_new_tokens=4)[0, 45:].tolist()

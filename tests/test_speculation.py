@@ -21,8 +21,7 @@ from autotp.generate import generate
 from autotp.serve.blocks import BlockPool
 from autotp.serve.lookup import draft
 from autotp.serve.metrics import Metrics
-from autotp.serve.planner import PagedPlanner
-from autotp.serve.scheduler import Limits
+from autotp.serve.planner import Limits, PagedPlanner
 
 DEMO = str(__import__("pathlib").Path(__import__("autotp").__file__).parent / "demo_model")
 CODE = "def print_hello_world():"  # the demo model goes on with "if not None:" lines, again and again
@@ -64,7 +63,7 @@ def test_the_planner_feeds_a_draft_after_the_last_token_and_keeps_only_the_token
     planner.ran(step, {0: (prompt, [])})
     generated = [9]
     step = planner.plan({0: (prompt, generated)}, (), [], None, drafts={0: (7, 7, 7, 7, 7)})
-    (row, ids, start, blocks, sample, every), = step.work
+    (row, ids, start, blocks, sample, every, draft), = step.work
     assert (ids, start, sample, every) == ((9, 7, 7, 7), 6, True, True)  # the budget of 4 cuts the draft to 3
     assert len(blocks) == 1  # positions 6..9 reach a third block
     generated += [7, 8]  # the sampler drew 7 (the draft's first), then 8: 2 of the 4 computed tokens stand
@@ -136,7 +135,7 @@ def test_a_prompt_extending_a_speculative_rows_output_reads_no_stale_cache_block
     sent = recorded(engine)
     again = job(resent, 16, index=1, logprobs=1)
     drive(engine, {0: [again]})
-    assert sent[0].work[0][2] >= len(ids)  # served from the cache past the first prompt
+    assert sent[0].work[0].start >= len(ids)  # served from the cache past the first prompt
     cold = job(resent, 16, index=1, logprobs=1)
     drive(engine_for(model, tok, caching=False), {0: [cold]})
     assert tokens_of(again.emit.ended) == tokens_of(cold.emit.ended)

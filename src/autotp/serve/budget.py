@@ -2,9 +2,7 @@
 
 A token's cache bytes are measured, not derived from the config, so per-rank KV heads (replicated where
 KV heads < tp), multi-query, sliding windows (counted as if full) and the dtype are all what the model
-really stores: the paged engine's probe forward (paged.probe) records every layer's keys; for the padded
-engine, `token_bytes` prefills two tokens into a fresh HF cache and divides its size by two, a forward
-that also checks that the model's cache is one `serve/kv.py` can edit.
+really stores: the probe forward (probe.py) records every layer's keys.
 
 Without `--kv-cache-memory`, the cache may use a fraction of what this rank has free once the weights
 are loaded (most of a GPU's free memory; on CPU a share of the host's available memory, split between
@@ -18,20 +16,9 @@ import os
 import torch
 
 from autotp.errors import AutotpError
-from autotp.serve.kv import cache_bytes, check_cache
-from autotp.serve.state import Batch
-from autotp.serve.wire import Step
 
 GPU_FRACTION = 0.9  # of the free GPU memory after loading (vLLM's default utilisation)
 CPU_FRACTION = 0.5  # of MemAvailable, shared by the host's ranks: activations and the OS need the rest
-def token_bytes(model) -> int:
-    """Cache bytes of one token of one row on this rank (a forward: every rank calls it together)."""
-    batch = Batch(model, pad=0)
-    batch.apply(Step(admit=((0, (0, 0)),)))
-    batch.run(Step(chunk=2))
-    cache = batch.prefill.batch.cache
-    check_cache(cache)
-    return -(-cache_bytes(cache) // 2)
 
 
 def free_bytes(device: torch.device) -> int:
@@ -55,10 +42,10 @@ def kv_tokens(per_token: int, budget: int | None, free: int, max_num_seqs: int, 
     return tokens if max_model_len is None else min(tokens, max_num_seqs * max_model_len)
 
 
-def check_fits(tokens: int, per_token: int, budget: int | None, block_size: int | None) -> None:
-    """tokens: what the budget holds, before rounding down to whole blocks (block_size None: the padded cache)."""
-    if tokens < max(2, block_size or 0):
+def check_fits(tokens: int, per_token: int, budget: int | None, block_size: int) -> None:
+    """tokens: what the budget holds, before rounding down to whole blocks."""
+    if tokens < max(2, block_size):
         where = f"--kv-cache-memory {budget} bytes" if budget is not None else "the memory left after loading"
-        why = ("a request needs at least 2 (a prompt token and a generated one)" if tokens < 2 or block_size is None
+        why = ("a request needs at least 2 (a prompt token and a generated one)" if tokens < 2
                else f"the paged cache needs at least one block of {block_size} (--block-size)")
         raise AutotpError(f"{where} holds {tokens} cached tokens at {per_token} bytes each: {why}")

@@ -29,7 +29,8 @@ from collections.abc import Callable
 
 import torch
 
-from autotp.serve.paged import KvPool, Layout
+from autotp.serve.attention import Group, StepMeta
+from autotp.serve.paged import KvPool
 
 
 def cache_dir() -> str:
@@ -44,43 +45,44 @@ def bucket(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def decode_layout(pool: KvPool, tables: list[list[int]], starts: list[int], device) -> tuple[Layout, int]:
-    """The padded layout of a decode step: rows with block `tables` compute the token at positions `starts`.
+def decode_meta(pool: KvPool, tables: list[list[int]], starts: list[int], device) -> tuple[StepMeta, int]:
+    """The padded description of a decode step: rows with block `tables` compute the token at positions `starts`.
 
-    Returns the layout, (bucket(rows),) tokens, and its row count. Row i's context is slots (i, :starts[i] + 1)
-    of decode_slots, (rows, blocks * block_size) with blocks a power of two; the rest read the zero slot."""
+    Returns it and its row count, bucket(rows): one short group (attention.Group) of one query per row, whose
+    context is a power-of-two number of blocks; a padding row writes the scratch slot and sees the zero slot."""
     size, rows = pool.block_size, bucket(len(tables))
     blocks = 1 << (max(starts) // size).bit_length()  # a power of two > max(starts) // size
     table = torch.tensor([(t[:blocks] + [0] * blocks)[:blocks] for t in tables] + [[0] * blocks] * (rows - len(tables)),
                          device=device)
     slots = (table[:, :, None] * size + torch.arange(size, device=device)).flatten(1)  # (rows, blocks * size)
     ends = torch.tensor(starts + [0] * (rows - len(tables)), device=device)
-    mask = torch.arange(slots.shape[1], device=device)[None] <= ends[:, None]
-    slots = slots.masked_fill(~mask, pool.slots)
+    visible = torch.arange(slots.shape[1], device=device)[None] <= ends[:, None]
+    slots = slots.masked_fill(~visible, pool.slots)
     slots[len(tables):, 0] = pool.slots  # a padding row sees the zero slot alone
     index = torch.arange(rows, device=device)
     write = slots[index, ends]
     write[len(tables):] = pool.scratch
-    layout = Layout(write, ends, index, slots, mask[:, None, None, :], [])
-    return layout, rows
+    group = Group(index[:, None], slots, visible[:, None, None, :], ends[:, None, None, None], (ends + 1)[:, None])
+    return StepMeta(write, ends, [group], slots.shape[1]), rows
 
 
-def _mark_dynamic(ids: torch.Tensor, layout: Layout) -> None:
+def _mark_dynamic(ids: torch.Tensor, meta: StepMeta) -> None:
     """The sizes that change from step to step: context columns, and rows where there are two or more. Only
     these: were every size dynamic (dynamic=True), a context of 64 columns would be unified with a head_dim
     of 64, then specialised with it."""
-    torch._dynamo.mark_dynamic(layout.decode_slots, 1)
-    torch._dynamo.mark_dynamic(layout.decode_mask, 3)
+    group, = meta.groups
+    torch._dynamo.mark_dynamic(group.slots, 1)
+    torch._dynamo.mark_dynamic(group.visible, 3)
     if ids.shape[1] > 1:
-        for t, dim in ((ids, 1), (layout.write, 0), (layout.positions, 0), (layout.decode, 0),
-                       (layout.decode_slots, 0), (layout.decode_mask, 0)):
+        for t, dim in ((ids, 1), (meta.slot_mapping, 0), (meta.positions, 0), (group.index, 0), (group.slots, 0),
+                       (group.visible, 0), (group.qpos, 0), (group.lengths, 0)):
             torch._dynamo.mark_dynamic(t, dim)
 
 
 class CompiledDecode:
-    """forward(ids (1, rows), layout) -> logits (rows, vocab), compiled: one graph for every decode step."""
+    """forward(ids (1, rows), meta) -> logits (rows, vocab), compiled: one graph for every decode step."""
 
-    def __init__(self, forward: Callable[[torch.Tensor, Layout], torch.Tensor], device: torch.device):
+    def __init__(self, forward: Callable[[torch.Tensor, StepMeta], torch.Tensor], device: torch.device):
         mode = "reduce-overhead" if device.type == "cuda" else None
         self.forward = forward
         self.graph = torch.compile(forward, fullgraph=True, mode=mode)
@@ -91,22 +93,22 @@ class CompiledDecode:
         meets the others' collectives."""
         start, failure = time.perf_counter(), None
         for rows in (1, 2):  # four blocks of context: not 1, and not the rows' size
-            layout, _ = decode_layout(pool, [[0] * 4] * rows, [3 * pool.block_size] * rows, device)
-            layout.write[:], layout.decode_slots[:] = pool.scratch, pool.slots
+            meta, _ = decode_meta(pool, [[0] * 4] * rows, [3 * pool.block_size] * rows, device)
+            meta.slot_mapping[:], meta.groups[0].slots[:] = pool.scratch, pool.slots
             ids = torch.zeros(1, rows, dtype=torch.long, device=device)
-            _mark_dynamic(ids, layout)
+            _mark_dynamic(ids, meta)
             with torch.no_grad():  # not inference_mode: inductor refuses inference tensors
                 try:
                     if failure is None:
-                        self.graph(ids, layout)
+                        self.graph(ids, meta)
                         continue
                 except Exception as e:  # noqa: BLE001 - whatever the compiler raised is reported, and eager serves
                     failure = e
-                self.forward(ids, layout)
+                self.forward(ids, meta)
         if failure is not None:
             raise failure
         return time.perf_counter() - start
 
-    def __call__(self, ids: torch.Tensor, layout: Layout) -> torch.Tensor:
+    def __call__(self, ids: torch.Tensor, meta: StepMeta) -> torch.Tensor:
         with torch.no_grad(), torch.compiler.set_stance("eager_on_recompile"):
-            return self.graph(ids, layout)
+            return self.graph(ids, meta)

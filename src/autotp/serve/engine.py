@@ -3,10 +3,9 @@
 Each step rank 0 (the main thread of `autotp serve`):
 1. takes new jobs from the HTTP thread into the waiting queue (bounded: past `max_queue`, `submit` says
    "full" and the client gets 429);
-2. plans the step: rows that leave (finished, failed, cancelled by a client that went away), and what each
-   row computes. The paged engine (planner.py, runner.py): one forward over every row's new tokens, prompts
-   starting from their longest cached prefix. The padded engine, for models whose attention does not reach
-   transformers' AttentionInterface (scheduler.py, state.py): a prefill forward and a decode forward;
+2. plans the step (planner.py): rows that leave (finished, failed, cancelled by a client that went away), and
+   what each row computes, in one forward over every row's new tokens (runner.py), prompts starting from their
+   longest cached prefix, decoding rows with their speculative drafts;
 3. sends it (wire.py: one broadcast) and runs it on its own batch as every rank does;
 4. hands the scores to output.py, which samples, streams and answers the rows.
 
@@ -33,17 +32,14 @@ from itertools import islice
 import numpy as np
 
 from autotp import distributed
-from autotp.generate import pad_token_id
 from autotp.sampler import RowSampler, SamplingParams
 from autotp.serve import lookup
 from autotp.serve.blocks import BlockPool
 from autotp.serve.metrics import Metrics
 from autotp.serve.output import Active, Output, describe, eos_ids
 from autotp.serve.paged import KvPool
-from autotp.serve.planner import PagedPlanner
+from autotp.serve.planner import Limits, PagedPlanner
 from autotp.serve.runner import PagedBatch
-from autotp.serve.scheduler import Limits, Need, plan_padded
-from autotp.serve.state import Batch
 from autotp.serve.text import TextStream
 from autotp.serve.types import Row, log
 from autotp.serve.watchdog import StepWatchdog, Watch
@@ -93,15 +89,12 @@ class Job:
         self.emit(("error", self.index, (status, message)))
 
 
-def backend(model, shapes, limits: Limits, block_size: int = 16, caching: bool = True,
-            rank0: bool = True) -> tuple[PagedBatch | Batch, PagedPlanner | None]:
-    """This rank's batch and, on rank 0 of the paged engine, its planner. shapes: paged.probe's (None: the
-    model's attention does not reach the pool, and the padded engine serves it); the pool holds
-    limits.kv_tokens // block_size blocks."""
-    if shapes is None:
-        return Batch(model, pad_token_id(model.generation_config)), None
+def backend(model, shapes, limits: Limits, block_size: int = 16, caching: bool = True, rank0: bool = True,
+            speculate: int = 0) -> tuple[PagedBatch, PagedPlanner | None]:
+    """This rank's batch and, on rank 0, its planner. shapes: probe.probe's; the pool holds limits.kv_tokens //
+    block_size blocks; speculate: the longest draft, so decode and drafted rows share one attention call."""
     blocks = limits.kv_tokens // block_size
-    batch = PagedBatch(model, KvPool(shapes, blocks, block_size, model.device))
+    batch = PagedBatch(model, KvPool(shapes, blocks, block_size, model.device), short=1 + speculate)
     return batch, PagedPlanner(BlockPool(blocks, block_size, caching), limits) if rank0 else None
 
 
@@ -115,14 +108,13 @@ DRAFT_POSITIONS = 32
 class Engine:
     """Rank 0's scheduler: `submit` from any thread, `run` in the main thread until `stopping` is set.
 
-    batch: this rank's rows (runner.PagedBatch, or state.Batch for the padded engine); planner: the paged
-    engine's block accounting (None: the padded engine); speculate: up to this many prompt-lookup draft
-    tokens verified per decoding row and step (the paged engine only)."""
+    batch: this rank's rows (runner.PagedBatch); planner: the block accounting; speculate: up to this many
+    prompt-lookup draft tokens verified per decoding row and step."""
 
-    def __init__(self, batch, tokenizer, channel: Channel, stopping: StopFlag, limits: Limits, max_queue: int,
-                 metrics: Metrics | None = None, planner: PagedPlanner | None = None, speculate: int = 0):
+    def __init__(self, batch: PagedBatch, tokenizer, channel: Channel, stopping: StopFlag, limits: Limits,
+                 max_queue: int, planner: PagedPlanner, metrics: Metrics | None = None, speculate: int = 0):
         self.batch, self.planner = batch, planner
-        self.speculate = speculate if planner is not None else 0  # draft tokens per row per step (lookup.py)
+        self.speculate = speculate  # draft tokens per row per step (lookup.py)
         self.channel, self.stopping, self.limits, self.max_queue = channel, stopping, limits, max_queue
         self.active: dict[int, Active] = {}
         # a copy of its own: the parser thread encodes with the original, and HF fast tokenizers are not
@@ -148,8 +140,7 @@ class Engine:
     @metrics.setter
     def metrics(self, metrics: Metrics | None) -> None:
         self.output.metrics = metrics
-        if self.planner is not None:
-            self.planner.metrics = metrics
+        self.planner.metrics = metrics
 
     def submit(self, jobs: list[Job]) -> str:
         """Queue a request's jobs together: "ok", "full" (the queue holds max_queue jobs) or "closed"."""
@@ -170,13 +161,8 @@ class Engine:
             return sum(not a.done for a in list(self.active.values())), self.queued
 
     def kv_used(self) -> int:
-        """Cache slots the rows hold now; any thread. Paged: the blocks rows hold (idle cached blocks are
-        free room); padded: the padded batch's rows x width, and the prefill's."""
-        if self.planner is not None:
-            return self.planner.kv_used()
-        running, prefill = self.batch.running, self.batch.prefill
-        used = running.mask.numel() if running is not None else 0
-        return used + (prefill.batch.mask.numel() if prefill is not None else 0)
+        """Cache slots in the blocks rows hold now (idle cached blocks are free room); any thread."""
+        return self.planner.kv_used()
 
     def run(self) -> int:
         """Schedule until stopped and drained (0) or until the ranks can no longer run in lockstep (1)."""
@@ -238,7 +224,7 @@ class Engine:
         self.forwards += 1
         self.watchdog.begin(self.forwards)
         try:
-            scores = self.batch.run(step, prefilled=self.output.take)
+            scores = self.batch.run(step)
         except Exception as e:  # noqa: BLE001 - the next step tells every rank; they must have failed alike
             self.watchdog.end()
             self.watch.failed(self.forwards, describe(e))
@@ -249,13 +235,11 @@ class Engine:
             log(f"a step of {len(lost)} rows failed; they get 500 and the server goes on: {self.error}")
             for row in lost:
                 self.failed.append((self.active.pop(row).job, f"generation failed: {self.error}"))
-                if self.planner is not None:
-                    self.planner.release(row)
+                self.planner.release(row)
             return
         self.watchdog.end()
         kept = self.output.take(scores)
-        if self.planner is not None:
-            self.planner.ran(step, {w[0]: self._tokens(w[0]) for w in step.work}, kept)
+        self.planner.ran(step, {w.row: self._tokens(w.row) for w in step.work}, kept)
 
     def _tokens(self, row: int) -> tuple[tuple[int, ...], list[int]]:
         """A row's prompt and generated tokens (the planner reads the spans it needs, copying neither)."""
@@ -325,17 +309,9 @@ class Engine:
         drop = tuple(r for r, a in self.active.items() if a.done)
         error, self.error = self.error, ""
         head = [] if self.stopping.is_set() else list(islice(self.waiting, self.limits.max_num_seqs))
-        if self.planner is not None:
-            rows = {r: self._tokens(r) for r, a in self.active.items() if not a.done}
-            step = self.planner.plan(rows, drop, [(j.row.ids, j.row.max_tokens, j.row.prompt_logprobs) for j in head],
-                                     lambda _: self._admit(), self._drafts() if self.speculate else None)
-        else:
-            order = self.batch.order_after(drop)
-            needs = [Need(len(self.active[r].job.row.ids) + len(self.active[r].tokens),
-                          self.active[r].job.row.max_tokens - len(self.active[r].tokens)) for r in order]
-            step = plan_padded(self.batch, drop, [self.active[r].next for r in order], needs,
-                               [(j.row.ids, j.row.max_tokens, j.row.prompt_logprobs) for j in head], self.limits,
-                               lambda _: self._admit())
+        rows = {r: self._tokens(r) for r, a in self.active.items() if not a.done}
+        step = self.planner.plan(rows, drop, [(j.row.ids, j.row.max_tokens, j.row.prompt_logprobs) for j in head],
+                                 lambda _: self._admit(), self._drafts() if self.speculate else None)
         return dataclasses.replace(step, error=error)
 
 
@@ -361,5 +337,5 @@ def follow(batch, channel: Channel, stopping: StopFlag) -> int:
             except Exception as e:  # noqa: BLE001 - compared with rank 0's at the next step
                 error = describe(e)
                 watch.failed(forwards, error)
-        elif stopping.is_set() and stopping.age() > GRACE_S and not step.drop and not step.admit:
+        elif stopping.is_set() and stopping.age() > GRACE_S and not step.drop:
             return 0

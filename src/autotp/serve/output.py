@@ -75,18 +75,17 @@ class Output:
     def take(self, scores) -> dict[int, int]:
         """A forward's scores (runner.Scores): prompt log-probabilities first, then the next tokens. Returns,
         for each row that ran a draft, how many of its computed tokens stand (planner.ran)."""
-        asked = [s for s in scores.spans if self.active[s[0]].job.row.prompt_logprobs]
+        asked = [s for s in scores.spans if self.active[s.row].job.row.prompt_logprobs]
         if asked:
-            self.guarded([s[0] for s in asked], lambda: self._prompt_logprobs(scores.logits, asked))
-        # a decoding row (its first scored position past its prompt) with more than one column ran a draft
-        drafted = [s for s in scores.spans if s[4] and s[3] - s[2] > 1 and s[1] >= len(self.active[s[0]].job.row.ids)]
-        plain = [s for s in scores.spans if s[4] and s not in drafted]
+            self.guarded([s.row for s in asked], lambda: self._prompt_logprobs(scores.logits, asked))
+        drafted = [s for s in scores.spans if s.sample and s.draft]
+        plain = [s for s in scores.spans if s.sample and not s.draft]
         if plain:
-            rows, sample = scores.sampled(plain)
+            rows, sample = [s.row for s in plain], scores.sampled(plain)
             self.guarded(rows, lambda: self._sample_rows(rows, sample))
         kept: dict[int, int] = {}
         for span in drafted:
-            self.guarded([span[0]], lambda span=span: self._verify(span, scores.logits, kept))
+            self.guarded([span.row], lambda span=span: self._verify(span, scores.logits, kept))
         return kept
 
     def guarded(self, rows: list[int], work: Callable[[], None]) -> None:
@@ -141,9 +140,9 @@ class Output:
         token). Its sampler draws at each column in turn, exactly as it would have one step at a time, and
         each token drawn is the row's; it goes on while the token drawn is the draft's next one. So the text
         is the text without a draft; the draft only saves the forwards of the tokens it guessed."""
-        row, _, a, b, _ = span
+        row, a, b = span.row, span.a, span.b
         active = self.active[row]
-        draft = active.draft[:b - a - 1]
+        draft = active.draft[:span.draft]
         scores = logits[a:b]
         greedy = scores.argmax(dim=-1).tolist()
         finite = torch.isfinite(scores.max(dim=-1).values).tolist()
@@ -165,7 +164,7 @@ class Output:
     def _prompt_logprobs(self, logits: torch.Tensor, spans: list[tuple]) -> None:
         """Each prompt token's log-probability given the ones before it: the column at position j
         predicts the prompt's token j + 1."""
-        for row, start, a, b, _ in spans:
+        for row, start, a, b, *_ in spans:
             active = self.active[row]
             ids = active.job.row.ids
             positions = range(max(start, len(active.prompt_logprobs) - 1), min(start + b - a, len(ids) - 1))

@@ -14,8 +14,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from autotp.serve.blocks import BlockPool, Key
-from autotp.serve.scheduler import Limits
-from autotp.serve.wire import Step
+from autotp.serve.wire import Step, Work
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The engine's budgets, in vLLM's terms. max_num_seqs: rows holding blocks at once (decoding, or being
+    prefilled); max_num_batched_tokens: tokens one step computes, the decode rows' one each plus prompt chunks and
+    drafts, so a long prompt delays the running rows by at most one chunk's forward; kv_tokens: cache slots per
+    rank (every row's prompt + max_tokens fits alone: checked when requests arrive)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    kv_tokens: int
 
 
 @dataclass
@@ -85,7 +96,7 @@ class PagedPlanner:
             if guess:  # the draft's tokens as if generated: its blocks were reserved with the row's max_tokens
                 generated, n = (*generated, *guess), n + len(guess)
             budget -= n
-            work.append(self._work(row, seq, prompt, generated, n, every=bool(guess)))
+            work.append(self._work(row, seq, prompt, generated, n, draft=len(guess)))
         admitted = 0
         for prompt, max_tokens, no_cache in waiting:
             if budget <= 0 or len(rows) + admitted >= self.limits.max_num_seqs:
@@ -110,9 +121,10 @@ class PagedPlanner:
         return Step(drop=drop, work=tuple(work))
 
     def _work(self, row: int, seq: Seq, prompt: Sequence[int], generated: Sequence[int], n: int,
-              new: list[int] | None = None, every: bool = False) -> tuple:
+              new: list[int] | None = None, draft: int = 0) -> Work:
         """This step's entry for a row computing its tokens computed .. computed + n - 1, taking the blocks
-        that needs (after `new`, its cached prefix, when it is admitted); every: score each of them."""
+        that needs (after `new`, its cached prefix, when it is admitted); draft: its last `draft` tokens are a
+        guess, and each of its tokens is scored."""
         start = seq.computed
         added = list(new or [])
         while len(seq.blocks) * self.pool.block_size < start + n:
@@ -121,8 +133,8 @@ class PagedPlanner:
             seq.blocks.append(block)
             added.append(block)
         sample = start + n == len(prompt) + len(generated)
-        return (row, span(prompt, generated, start, start + n), start, tuple(added), sample,
-                every or (seq.every and start < len(prompt)))
+        return Work(row, span(prompt, generated, start, start + n), start, tuple(added), sample,
+                    bool(draft) or (seq.every and start < len(prompt)), draft)
 
     def ran(self, step: Step, tokens: dict[int, tuple[Sequence[int], Sequence[int]]],
             kept: dict[int, int] | None = None) -> None:
@@ -131,7 +143,7 @@ class PagedPlanner:
         its computed tokens stand (its last one and the drafted ones its sampler drew too); the keys and
         values after them are stale and computed again."""
         size = self.pool.block_size
-        for row, ids, start, _, _, _ in step.work:
+        for row, ids, start, *_ in step.work:
             seq = self.seqs.get(row)
             if seq is None:
                 continue

@@ -1,57 +1,106 @@
-"""The model runner of the paged engine: one forward per step over every row's new tokens.
+"""The model runner: one forward per step over every row's new tokens, and the step's description it reads.
 
-Every rank keeps the block tables of the rows it runs, changed only by the steps rank 0 broadcasts
-(`apply`), and runs each step the same way (`run`): the rows' new tokens flattened into one (1, tokens)
-input with their positions, each token's slot from its row's table, and the step's attention layout
-(paged.Layout). Only the positions rank 0 asked for reach the LM head (`logits_to_keep`): a sampling
-row's last one, every one of a row that wants its prompt's log-probabilities.
+Every rank keeps the block tables of the rows it runs, changed only by the steps rank 0 broadcasts (`apply`),
+and runs each step the same way (`run`): the rows' new tokens flattened into one (1, tokens) input with their
+positions, and the step's description (attention.StepMeta) built once, here, before the forward: each new
+token's slot, and the rows in at most two attention groups, short queries and long ones (attention.py). Only
+the positions rank 0 asked for reach the LM head (`logits_to_keep`): a sampling row's last one, every one of a
+row that wants its prompt's log-probabilities or verifies a draft.
 
-Nothing here decides anything; a forward that raises leaves the rows' new slots half written, so rank 0
-fails those rows on every rank alike and their blocks are never cached.
+The index arithmetic is done on the host in numpy and each index tensor crosses to the device once per step.
+Nothing here decides anything; a forward that raises leaves the rows' new slots half written, so rank 0 fails
+those rows on every rank alike and their blocks are never cached.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
-from autotp.serve.compiled import CompiledDecode, decode_layout
-from autotp.serve.paged import ATTENTION, KvPool, Layout, PagedCache
-from autotp.serve.wire import Step
+from autotp.serve.attention import Group, StepMeta
+from autotp.serve.compiled import CompiledDecode, decode_meta
+from autotp.serve.paged import KvPool, PagedCache
+from autotp.serve.probe import implementation
+from autotp.serve.wire import Step, Work
 
 
-@dataclass
-class Scores:
-    """What a step's forward scored. logits (kept, vocab); per row that kept any, a span: (row, position
-    of its first kept column, a, b, sample) with its columns at logits[a:b]; `sample`: the last of them
-    gives the row's next token."""
+class Span(NamedTuple):
+    """A row's kept columns in a step's scores: logits[a:b], the first at position `position`; sample: the last
+    gives the row's next token; draft: how many of its tokens were a draft to verify."""
+
+    row: int
+    position: int
+    a: int
+    b: int
+    sample: bool
+    draft: int = 0
+
+
+class Scores(NamedTuple):
+    """What a step's forward scored: logits (kept, vocab) and the rows' spans in it."""
 
     logits: torch.Tensor
-    spans: list[tuple[int, int, int, int, bool]]
+    spans: list[Span]
 
-    def sampled(self, spans: list[tuple]) -> tuple[list[int], torch.Tensor]:
-        """The rows of `spans` (some of `self.spans` that sample), and their last column's scores (rows, vocab)."""
-        picks = [(s[0], s[3] - 1) for s in spans]
-        index = torch.tensor([i for _, i in picks], device=self.logits.device, dtype=torch.long)
-        return [r for r, _ in picks], self.logits.index_select(0, index)
+    def sampled(self, spans: list[Span]) -> torch.Tensor:
+        """The last column's scores of each of `spans` (rows, vocab)."""
+        index = torch.tensor([s.b - 1 for s in spans], device=self.logits.device, dtype=torch.long)
+        return self.logits.index_select(0, index)
+
+
+def group(pool: KvPool, tables: list[list[int]], starts: np.ndarray, counts: np.ndarray, firsts: np.ndarray,
+          device) -> tuple[Group, np.ndarray, np.ndarray]:
+    """Rows computing counts[r] tokens from position starts[r], the first at index firsts[r] of the step's tokens,
+    as one attention group (attention.Group); also the tokens' step indices and slots, for the slot mapping."""
+    size, rows = pool.block_size, len(tables)
+    q, ends = int(counts.max()), starts + counts
+    width = int(ends.max())
+    blocks = -(-width // size)
+    table = np.zeros((rows, blocks), dtype=np.int64)
+    for r, t in enumerate(tables):
+        t = t[:blocks]
+        table[r, :len(t)] = t
+    cols = np.arange(width)
+    slots = (table[:, :, None] * size + np.arange(size)).reshape(rows, -1)[:, :width]
+    slots[cols[None] >= ends[:, None]] = pool.slots  # past a row's context: the zero slot
+    real = np.arange(q)[None] < counts[:, None]  # (R, Q): not padding
+    index = np.where(real, firsts[:, None] + np.arange(q)[None], firsts[:, None])
+    qpos = np.where(real, starts[:, None] + np.arange(q)[None], 0)  # a padding query sees key 0 alone
+    flat = None if real.all() else np.flatnonzero(real)
+    written = slots[np.nonzero(real)[0], qpos[real]]  # the new tokens' slots, in index[real] order
+
+    def on(x: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(x)).to(device)
+
+    qpos_t = on(qpos)[:, None, :, None]
+    visible = torch.arange(width, device=device) <= qpos_t  # (R, 1, Q, L)
+    made = Group(on(index), on(slots), visible, qpos_t, on(ends)[:, None],
+                 None if flat is None else on(flat), None if flat is None else on(index.reshape(-1)[flat]))
+    return made, index[real], written
 
 
 class PagedBatch:
-    """One rank's rows of the paged engine: their block tables (see the module docstring)."""
+    """One rank's rows: their block tables (see the module docstring). short: the longest query the short
+    attention group takes (1 + the draft length: decode and drafted rows share one call)."""
 
-    def __init__(self, model, pool: KvPool):
-        self.model, self.pool = model, pool
+    def __init__(self, model, pool: KvPool, short: int = 1):
+        self.model, self.pool, self.short = model, pool, short
         self.device = model.device
+        self.implementation = implementation(model)
         self.tables: dict[int, list[int]] = {}
         self.graph: CompiledDecode | None = None  # compile()
-        self.compiled: CompiledDecode | None = None  # the graph, once every rank has one (server._compile)
+        self.compiled: CompiledDecode | None = None  # the graph, once every rank has one (use_graph)
 
     def compile(self) -> float:
         """Compile the decode step (compiled.py); the seconds warm-up took. Every rank calls it at once; raises
-        what the compiler raised. Later decode steps take the graph once `compiled` is set (server.py)."""
+        what the compiler raised. Decode steps take the graph once every rank has it (`use_graph`)."""
         self.graph = CompiledDecode(self._forward, self.device)
         return self.graph.warm_up(self.pool, self.device)
+
+    def use_graph(self) -> None:
+        self.compiled = self.graph
 
     def rows(self) -> list[int]:
         return list(self.tables)
@@ -59,91 +108,74 @@ class PagedBatch:
     def apply(self, step: Step) -> None:
         for row in step.drop:
             self.tables.pop(row, None)
-        for row, _, _, blocks, _, _ in step.work:
-            self.tables.setdefault(row, []).extend(blocks)
+        for w in step.work:
+            self.tables.setdefault(w.row, []).extend(w.blocks)
 
     def discard(self, rows) -> None:
         for row in rows:
             self.tables.pop(row, None)
 
-    def run(self, step: Step, prefilled=None) -> Scores:
-        """The step's forward. Raises what it raised, with its rows' tables already gone. prefilled: the
-        padded engine's early look at its prefill's scores (state.Batch.run); one forward has none."""
+    def run(self, step: Step) -> Scores:
+        """The step's forward. Raises what it raised, with its rows' tables already gone."""
         try:
-            return self._run(step)
+            return self._run(step.work)
         except BaseException:
-            self.discard([w[0] for w in step.work])
+            self.discard([w.row for w in step.work])
             raise
 
-    def _slots(self, row: int, end: int) -> torch.Tensor:
-        """(end,) the slots of a row's positions 0 .. end - 1."""
-        size = self.pool.block_size
-        table = torch.tensor(self.tables[row][:-(-end // size)], device=self.device)
-        return (table[:, None] * size + torch.arange(size, device=self.device)).flatten()[:end]
-
-    def _decode_slots(self, rows: list[int], starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows computing one token each, at positions `starts`: their context slots (rows, longest), the zero
-        slot where a row is shorter, and its mask (rows, longest); built at once from their block tables."""
-        size, device = self.pool.block_size, self.device
-        blocks = max(starts) // size + 1
-        table = torch.tensor([(self.tables[r][:blocks] + [0] * blocks)[:blocks] for r in rows], device=device)
-        longest = max(starts) + 1
-        slots = (table[:, :, None] * size + torch.arange(size, device=device)).flatten(1)[:, :longest]
-        mask = torch.arange(longest, device=device)[None] <= torch.tensor(starts, device=device)[:, None]
-        return slots.masked_fill(~mask, self.pool.slots), mask
-
-    def _decode(self, step: Step) -> Scores | None:
+    def _decode(self, work: tuple[Work, ...]) -> Scores | None:
         """A step whose rows each sample one token, through the compiled graph; None for any other step."""
-        if self.compiled is None or not all(len(w[1]) == 1 and w[4] and not w[5] for w in step.work):
+        if self.compiled is None or not all(len(w.tokens) == 1 and w.sample and not w.every for w in work):
             return None
-        layout, rows = decode_layout(self.pool, [self.tables[w[0]] for w in step.work], [w[2] for w in step.work],
-                                     self.device)
-        ids = torch.tensor([[w[1][0] for w in step.work] + [0] * (rows - len(step.work))], device=self.device)
-        logits = self.compiled(ids, layout)
-        return Scores(logits, [(w[0], w[2], i, i + 1, True) for i, w in enumerate(step.work)])
+        meta, rows = decode_meta(self.pool, [self.tables[w.row] for w in work], [w.start for w in work], self.device)
+        ids = torch.tensor([[w.tokens[0] for w in work] + [0] * (rows - len(work))], device=self.device)
+        logits = self.compiled(ids, meta)
+        return Scores(logits, [Span(w.row, w.start, i, i + 1, True) for i, w in enumerate(work)])
 
-    def _run(self, step: Step) -> Scores:
-        scores = self._decode(step)
+    def meta(self, work: tuple[Work, ...]) -> StepMeta:
+        """The step's description: its rows' groups (short queries, long ones) and each new token's slot."""
+        counts = np.array([len(w.tokens) for w in work])
+        starts = np.array([w.start for w in work])
+        firsts = np.cumsum(counts) - counts
+        slot_mapping = np.empty(int(counts.sum()), dtype=np.int64)
+        groups = []
+        for members in (counts <= self.short, counts > self.short):
+            if members.any():
+                rows = np.flatnonzero(members)
+                made, tokens, slots = group(self.pool, [self.tables[work[r].row] for r in rows], starts[rows],
+                                            counts[rows], firsts[rows], self.device)
+                slot_mapping[tokens] = slots
+                groups.append(made)
+        positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, counts, strict=True)])
+        return StepMeta(torch.from_numpy(slot_mapping).to(self.device), torch.from_numpy(positions).to(self.device),
+                        groups, int((starts + counts).max()))
+
+    def _run(self, work: tuple[Work, ...]) -> Scores:
+        scores = self._decode(work)
         if scores is not None:
             return scores
-        ids, positions, keep, spans, prefill = [], [], [], [], []
-        decode, decode_rows, starts = [], [], []  # the rows that compute one token: its index in ids, ...
-        for row, tokens, start, _, sample, every in step.work:
-            a, n = len(ids), len(tokens)
-            ids += tokens
-            positions += range(start, start + n)
-            if n == 1:
-                decode.append(a)
-                decode_rows.append(row)
-                starts.append(start)
-            else:
-                prefill.append((a, a + n, self._slots(row, start + n), start))
-            if every or sample:
-                first = a if every else a + n - 1
-                spans.append((row, positions[first], len(keep), len(keep) + a + n - first, sample))
+        ids, keep, spans = [], [], []
+        for w in work:
+            a, n = len(ids), len(w.tokens)
+            ids += w.tokens
+            if w.every or w.sample:
+                first = a if w.every else a + n - 1
+                spans.append(Span(w.row, w.start + first - a, len(keep), len(keep) + a + n - first, w.sample, w.draft))
                 keep += range(first, a + n)
-        write = torch.empty(len(ids), dtype=torch.long, device=self.device)  # each new token's slot
-        for a, b, slots, start in prefill:
-            write[a:b] = slots[start:]
-        layout = Layout(write, torch.tensor(positions, device=self.device), None, None, None, prefill)
-        if decode:
-            slots, mask = self._decode_slots(decode_rows, starts)
-            layout.decode = torch.tensor(decode, device=self.device)
-            at = torch.tensor(starts, device=self.device)
-            write[layout.decode] = slots[torch.arange(len(decode), device=self.device), at]
-            layout.decode_slots, layout.decode_mask = slots, mask[:, None, None, :]
+        meta = self.meta(work)
         keep = torch.tensor(keep, device=self.device, dtype=torch.long)
         with torch.inference_mode():
-            return Scores(self._forward(torch.tensor([ids], device=self.device), layout, keep), spans)
+            return Scores(self._forward(torch.tensor([ids], device=self.device), meta, keep), spans)
 
-    def _forward(self, ids: torch.Tensor, layout: Layout, keep: torch.Tensor | int = 0) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, meta: StepMeta, keep: torch.Tensor | int = 0) -> torch.Tensor:
         """ids (1, tokens) -> the scores (kept, vocab) of the positions `keep` (0: every position). The caller
         chooses the grad mode: inference_mode eager, no_grad compiled (inductor refuses inference tensors)."""
         config = self.model.config
-        previous, config._attn_implementation = config._attn_implementation, ATTENTION  # for this forward only
+        previous, config._attn_implementation = config._attn_implementation, self.implementation  # this forward only
         try:
-            out = self.model(input_ids=ids, position_ids=layout.positions[None], cache=PagedCache(self.pool, layout),
-                             use_cache=True, logits_to_keep=keep, paged=(self.pool, layout))
+            cache = PagedCache(self.pool, meta, ids.shape[1])
+            out = self.model(input_ids=ids, position_ids=meta.positions[None], cache=cache, use_cache=True,
+                             logits_to_keep=keep, paged=cache)
         finally:
             config._attn_implementation = previous
         return out.logits[0]

@@ -27,16 +27,16 @@ from autotp.errors import AutotpError
 from autotp.generate import context_limit
 from autotp.hub import TOKENIZER_FILES, load_config, resolve_model_dir
 from autotp.serve import budget
+from autotp.serve.attention import BACKEND as ATTENTION_BACKEND
 from autotp.serve.boundary import Served
 from autotp.serve.compiled import cache_dir
 from autotp.serve.engine import Engine, StopFlag, backend, follow
 from autotp.serve.guard import host_policy
 from autotp.serve.http import HttpThread, build_app, listen
 from autotp.serve.metrics import Metrics
-from autotp.serve.paged import probe
-from autotp.serve.planner import PagedPlanner
+from autotp.serve.planner import Limits, PagedPlanner
+from autotp.serve.probe import probe
 from autotp.serve.runner import PagedBatch
-from autotp.serve.scheduler import Limits
 from autotp.serve.types import log
 from autotp.serve.wire import Channel, Step
 from autotp.tokenizer import load_tokenizer
@@ -82,9 +82,9 @@ class ServeOptions:
     read_timeout: float = 30.0
     allowed_hosts: list[str] | None = None
     api_key: str | None = None
-    block_size: int = 16  # tokens per KV block (the paged engine)
+    block_size: int = 16  # tokens per KV block
     prefix_caching: bool = True
-    speculate: int = 4  # prompt-lookup draft tokens per decoding row and step (the paged engine; cli.SPECULATE)
+    speculate: int = 4  # prompt-lookup draft tokens per decoding row and step (cli.SPECULATE)
     compile: bool = False  # the decode step as one compiled graph (compiled.py; cli.COMPILE)
 
 
@@ -95,50 +95,40 @@ def _size(n: int) -> str:
 
 @dataclass
 class Backend:
-    """This rank's engine parts: its batch, and on rank 0 of the paged engine the block accounting."""
+    """This rank's engine parts: its batch, and on rank 0 the block accounting."""
 
     limits: Limits
-    batch: object  # runner.PagedBatch or state.Batch
+    batch: PagedBatch
     planner: PagedPlanner | None
 
 
 def _backend(net, channel: Channel, env, opts: ServeOptions, max_model_len: int | None) -> Backend:
-    """Every rank measures its cache cost and free memory; the largest cost and smallest room decide. The
-    paged engine wherever every rank's attention reaches the pool, else the padded one (said once)."""
-    shapes, why = probe(net)
-    paged = all(s is not None for s, _ in channel.gather((shapes, why)))
-    if paged:
-        per_token = sum(2 * heads * dim * dtype.itemsize for heads, dim, dtype in shapes)
-    else:
-        per_token = budget.token_bytes(net)
+    """Every rank measures its cache cost and free memory; the largest cost and smallest room decide. A model whose
+    attention does not reach the pool is refused here (probe.py), on every rank alike."""
+    shapes = probe(net)
+    per_token = sum(2 * heads * dim * dtype.itemsize for heads, dim, dtype in shapes)
     costs = channel.gather((per_token, budget.free_bytes(env.device)))
     per_token, free = max(c for c, _ in costs), min(f for _, f in costs)
     tokens = budget.kv_tokens(per_token, opts.kv_cache_memory, free, opts.max_num_seqs, max_model_len)
-    budget.check_fits(tokens, per_token, opts.kv_cache_memory, opts.block_size if paged else None)
-    if paged:
-        tokens -= tokens % opts.block_size  # whole blocks
+    budget.check_fits(tokens, per_token, opts.kv_cache_memory, opts.block_size)
+    tokens -= tokens % opts.block_size  # whole blocks
     if env.rank == 0:
         short = (f", less than the context of {max_model_len}: longer requests are refused"
                  if max_model_len is not None and tokens < max_model_len else "")
         layout = (f"{tokens // opts.block_size} blocks of {opts.block_size}, prefix caching "
                   f"{'on' if opts.prefix_caching else 'off'}, speculation "
-                  f"{f'up to {opts.speculate} tokens' if opts.speculate else 'off'}" if paged
-                  else f"padded rows: {why}; no speculation")
+                  f"{f'up to {opts.speculate} tokens' if opts.speculate else 'off'}")
         log(f"KV cache: {tokens} tokens per rank ({_size(tokens * per_token)} at {per_token} bytes per token; "
             f"{layout}){short}")
+        log(f"attention: {ATTENTION_BACKEND} on {env.device.type} (at most two kernel calls per layer and step)")
     limits = Limits(opts.max_num_seqs, opts.max_num_batched_tokens, tokens)
-    batch, planner = backend(net, shapes if paged else None, limits, opts.block_size, opts.prefix_caching,
-                             env.rank == 0)
+    batch, planner = backend(net, shapes, limits, opts.block_size, opts.prefix_caching, env.rank == 0, opts.speculate)
     return Backend(limits, batch, planner)
 
 
-def _compile(batch, channel: Channel, env) -> None:
+def _compile(batch: PagedBatch, channel: Channel, env) -> None:
     """The compiled decode step on every rank, or on none: rank 0 says how long warm-up took (the slowest
     rank's), or in one line why every step stays eager."""
-    if not isinstance(batch, PagedBatch):
-        if env.rank == 0:
-            log("warning: no compiled decode step for the padded engine: every step runs eager")
-        return
     try:
         seconds, why = batch.compile(), ""
     except Exception as e:  # noqa: BLE001 - a model or device the compiler cannot take is served eager
@@ -146,7 +136,7 @@ def _compile(batch, channel: Channel, env) -> None:
     results = channel.gather((seconds, why))
     failed = next((f"rank {r}: {w}" for r, (_, w) in enumerate(results) if w), "")
     if not failed:
-        batch.compiled = batch.graph
+        batch.use_graph()
     if env.rank == 0:
         log(f"warning: the decode step did not compile, every step runs eager ({failed})" if failed else
             f"compiled the decode step in {max(s for s, _ in results):.1f} s (torch.compile, cached for restarts "
@@ -189,10 +179,10 @@ def serve(model: str, model_id: str, opts: ServeOptions = ServeOptions()) -> int
         # ranks finish loading at different times: wait here under the process group's long timeout
         # (AUTOTP_TIMEOUT), not in the control group's first broadcast, whose timeout is short
         dist.barrier(group=env.group)
-    backend = _backend(net, channel, env, opts, max_model_len)
+    parts = _backend(net, channel, env, opts, max_model_len)
     if opts.compile:
-        _compile(backend.batch, channel, env)
-    limits = backend.limits
+        _compile(parts.batch, channel, env)
+    limits = parts.limits
     if max_model_len is None:  # no learned position limit (ALiBi): what the KV cache holds bounds a request
         if env.rank == 0:
             log(f"no context limit ({source}): a request may use the {limits.kv_tokens} tokens of the KV cache; "
@@ -207,11 +197,11 @@ def serve(model: str, model_id: str, opts: ServeOptions = ServeOptions()) -> int
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
     if env.rank != 0:
-        code = follow(backend.batch, channel, stopping)
+        code = follow(parts.batch, channel, stopping)
         channel.close()  # every rank got "stop": the group is whole (a broken one is left to the exit)
         return code
 
-    engine = Engine(backend.batch, tokenizer, channel, stopping, limits, opts.max_queue, planner=backend.planner,
+    engine = Engine(parts.batch, tokenizer, channel, stopping, limits, opts.max_queue, parts.planner,
                     speculate=opts.speculate)
     engine.metrics = Metrics(lambda: engine.counts()[0], lambda: engine.counts()[1],
                              lambda: engine.kv_used() / limits.kv_tokens)
