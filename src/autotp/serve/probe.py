@@ -15,10 +15,26 @@ from autotp.serve import adapters
 from autotp.serve.paged import ATTENTION, PagedCache
 
 
-def implementation(model) -> str:
-    """The attention implementation a paged forward sets: ours, or the one whose mask a family's forward
-    cannot do without (adapters.MASKS)."""
-    return adapters.mask_implementation(model) or ATTENTION
+class Implementation:
+    """The paged attention implementation, set around a forward (`set`, then `restore` in a finally: a plain
+    method pair, which torch.compile traces where it refuses a user-defined `with`): ours, or the one whose mask
+    a family's forward cannot do without (adapters.MASKS). Set on every config the model's modules read, not
+    only the model's: a sharded attention may hold a per-rank copy (plans/phi3.py)."""
+
+    def __init__(self, model):
+        self.name = adapters.mask_implementation(model) or ATTENTION
+        configs = [model.config] + [getattr(m, "config", None) for m in model.modules()]
+        self.configs = list({id(c): c for c in configs if hasattr(c, "_attn_implementation")}.values())
+        self.previous: list[str] = []
+
+    def set(self) -> None:
+        self.previous = [c._attn_implementation for c in self.configs]
+        for c in self.configs:
+            c._attn_implementation = self.name
+
+    def restore(self) -> None:
+        for c, name in zip(self.configs, self.previous, strict=True):
+            c._attn_implementation = name
 
 
 def probe(model) -> list[tuple[int, int, torch.dtype]]:
@@ -26,8 +42,8 @@ def probe(model) -> list[tuple[int, int, torch.dtype]]:
     the pool. Every rank calls it together: it is a forward."""
     adapters.install(model)
     cache, device = PagedCache(None, None, 1), model.device
-    config = model.config
-    previous, config._attn_implementation = config._attn_implementation, implementation(model)
+    config, implementation = model.config, Implementation(model)
+    implementation.set()
     try:
         with torch.inference_mode():
             model(input_ids=torch.tensor([[0]], device=device), position_ids=torch.tensor([[0]], device=device),
@@ -35,8 +51,10 @@ def probe(model) -> list[tuple[int, int, torch.dtype]]:
     except AutotpError as e:
         raise AutotpError(f"autotp serve cannot run {config.model_type}: {e}") from e
     finally:
-        config._attn_implementation = previous
+        implementation.restore()
     if not cache.shapes or cache.attended != set(cache.shapes):
-        raise AutotpError(f"autotp serve cannot run {config.model_type}: its attention neither goes through "
-                          f"transformers' AttentionInterface nor has an adapter ({', '.join(adapters.SUPPORTED)})")
+        missed = sorted(set(cache.shapes) - cache.attended) or "every layer"
+        raise AutotpError(f"autotp serve cannot run {config.model_type}: the attention of layers {missed} neither "
+                          f"goes through transformers' AttentionInterface nor has an adapter "
+                          f"({', '.join(adapters.SUPPORTED)})")
     return [cache.shapes[i] for i in range(len(cache.shapes))]

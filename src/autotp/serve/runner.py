@@ -22,7 +22,7 @@ import torch
 from autotp.serve.attention import Group, StepMeta
 from autotp.serve.compiled import CompiledDecode, decode_meta
 from autotp.serve.paged import KvPool, PagedCache
-from autotp.serve.probe import implementation
+from autotp.serve.probe import Implementation
 from autotp.serve.wire import Step, Work
 
 
@@ -88,7 +88,7 @@ class PagedBatch:
     def __init__(self, model, pool: KvPool, short: int = 1):
         self.model, self.pool, self.short = model, pool, short
         self.device = model.device
-        self.implementation = implementation(model)
+        self.implementation = Implementation(model)
         self.tables: dict[int, list[int]] = {}
         self.graph: CompiledDecode | None = None  # compile()
         self.compiled: CompiledDecode | None = None  # the graph, once every rank has one (use_graph)
@@ -170,12 +170,11 @@ class PagedBatch:
     def _forward(self, ids: torch.Tensor, meta: StepMeta, keep: torch.Tensor | int = 0) -> torch.Tensor:
         """ids (1, tokens) -> the scores (kept, vocab) of the positions `keep` (0: every position). The caller
         chooses the grad mode: inference_mode eager, no_grad compiled (inductor refuses inference tensors)."""
-        config = self.model.config
-        previous, config._attn_implementation = config._attn_implementation, self.implementation  # this forward only
+        cache = PagedCache(self.pool, meta, ids.shape[1])
+        self.implementation.set()  # for this forward only
         try:
-            cache = PagedCache(self.pool, meta, ids.shape[1])
             out = self.model(input_ids=ids, position_ids=meta.positions[None], cache=cache, use_cache=True,
                              logits_to_keep=keep, paged=cache)
         finally:
-            config._attn_implementation = previous
+            self.implementation.restore()
         return out.logits[0]
