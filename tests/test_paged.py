@@ -151,10 +151,13 @@ def test_the_blocks_are_never_overcommitted_and_admission_waits_for_room(tokeniz
         assert tokens_of(j.emit.ended) == generate(model, torch.tensor([j.row.ids]), max_new_tokens=20)[0, 10:].tolist()
 
 
-@pytest.mark.parametrize("name", ["gpt_bigcode_mqa12", "llama", "mistral", "gpt2", "qwen2_moe"])
+@pytest.mark.parametrize("name", ["gpt_bigcode_mqa12", "llama", "mistral", "gpt2", "qwen2_moe", "bloom", "mpt",
+                                  "falcon_alibi", "falcon_mha", "falcon_gqa", "gemma2"])
 def test_a_prompt_served_from_cached_blocks_gets_the_tokens_and_scores_it_gets_cold(name, tokenizer):
-    """Multi-query, grouped-query, a sliding window of 4, Conv1D and MoE: the editor's pattern, a prompt
-    then the same prompt with a few tokens more, against the second prompt on an engine without a cache."""
+    """Multi-query, grouped-query, a sliding window of 4, Conv1D, MoE, ALiBi (from the first key: BLOOM, Falcon;
+    from the last: MPT), Falcon's rotary layouts, Gemma 2's soft-capping: the editor's pattern, a prompt then
+    the same prompt with a few tokens more, against the second prompt on an engine without a cache, and the
+    log-probabilities against the model's own log-softmax over the whole text."""
     model = build(name)
     g = torch.Generator().manual_seed(4)
     first = torch.randint(0, 101, (21,), generator=g).tolist()
@@ -162,7 +165,9 @@ def test_a_prompt_served_from_cached_blocks_gets_the_tokens_and_scores_it_gets_c
     warm = engine_for(model, tokenizer)
     drive(warm, {0: [job(first, 6, index=0)]})
     again = job(second, 12, logprobs=3, index=1)
+    sent = recorded(warm)
     drive(warm, {0: [again]})
+    assert sent[0].work[0].start == 20  # five full blocks of 4 from the cache: 4 of 24 tokens computed
     cold = job(second, 12, logprobs=3, index=1)
     drive(engine_for(model, tokenizer, caching=False), {0: [cold]})
     warm.step()  # the finished row leaves: every block released, the cache kept
@@ -173,6 +178,11 @@ def test_a_prompt_served_from_cached_blocks_gets_the_tokens_and_scores_it_gets_c
     for a, c in zip(again.emit.ended[2].logprobs, cold.emit.ended[2].logprobs, strict=True):
         assert a.logprob == pytest.approx(c.logprob, abs=1e-4)
         assert [t for t, _ in a.top] == [t for t, _ in c.top]
+    text = second + tokens_of(again.emit.ended)
+    with torch.no_grad():
+        scores = model(torch.tensor([text])).logits[0].log_softmax(-1)
+    want = [scores[23 + i, t].item() for i, t in enumerate(tokens_of(again.emit.ended))]
+    assert [e.logprob for e in again.emit.ended[2].logprobs] == pytest.approx(want, abs=1e-4)
 
 
 def test_the_editor_pattern_reuses_a_cancelled_prompts_blocks(tokenizer):

@@ -81,6 +81,26 @@ def group(pool: KvPool, tables: list[list[int]], starts: np.ndarray, counts: np.
     return made, index[real], written
 
 
+def describe(pool: KvPool, tables: list[list[int]], work: tuple[Work, ...], short: int, device) -> StepMeta:
+    """The step's description: each new token's slot, and the rows (whose block tables are `tables`, in `work`'s
+    order) in their groups: queries of at most `short` tokens, and longer ones."""
+    counts = np.array([len(w.tokens) for w in work])
+    starts = np.array([w.start for w in work])
+    firsts = np.cumsum(counts) - counts
+    slot_mapping = np.empty(int(counts.sum()), dtype=np.int64)
+    groups = []
+    for members in (counts <= short, counts > short):
+        if members.any():
+            rows = np.flatnonzero(members)
+            made, tokens, slots = group(pool, [tables[r] for r in rows], starts[rows], counts[rows], firsts[rows],
+                                        device)
+            slot_mapping[tokens] = slots
+            groups.append(made)
+    positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, counts, strict=True)])
+    return StepMeta(torch.from_numpy(slot_mapping).to(device), torch.from_numpy(positions).to(device), groups,
+                    int((starts + counts).max()))
+
+
 class PagedBatch:
     """One rank's rows: their block tables (see the module docstring). short: the longest query the short
     attention group takes (1 + the draft length: decode and drafted rows share one call)."""
@@ -132,24 +152,6 @@ class PagedBatch:
         logits = self.compiled(ids, meta)
         return Scores(logits, [Span(w.row, w.start, i, i + 1, True) for i, w in enumerate(work)])
 
-    def meta(self, work: tuple[Work, ...]) -> StepMeta:
-        """The step's description: its rows' groups (short queries, long ones) and each new token's slot."""
-        counts = np.array([len(w.tokens) for w in work])
-        starts = np.array([w.start for w in work])
-        firsts = np.cumsum(counts) - counts
-        slot_mapping = np.empty(int(counts.sum()), dtype=np.int64)
-        groups = []
-        for members in (counts <= self.short, counts > self.short):
-            if members.any():
-                rows = np.flatnonzero(members)
-                made, tokens, slots = group(self.pool, [self.tables[work[r].row] for r in rows], starts[rows],
-                                            counts[rows], firsts[rows], self.device)
-                slot_mapping[tokens] = slots
-                groups.append(made)
-        positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, counts, strict=True)])
-        return StepMeta(torch.from_numpy(slot_mapping).to(self.device), torch.from_numpy(positions).to(self.device),
-                        groups, int((starts + counts).max()))
-
     def _run(self, work: tuple[Work, ...]) -> Scores:
         scores = self._decode(work)
         if scores is not None:
@@ -162,7 +164,7 @@ class PagedBatch:
                 first = a if w.every else a + n - 1
                 spans.append(Span(w.row, w.start + first - a, len(keep), len(keep) + a + n - first, w.sample, w.draft))
                 keep += range(first, a + n)
-        meta = self.meta(work)
+        meta = describe(self.pool, [self.tables[w.row] for w in work], work, self.short, self.device)
         keep = torch.tensor(keep, device=self.device, dtype=torch.long)
         with torch.inference_mode():
             return Scores(self._forward(torch.tensor([ids], device=self.device), meta, keep), spans)

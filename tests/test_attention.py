@@ -1,0 +1,141 @@
+"""The paged attention alone, against dense attention computed per row, and what a step costs in kernel calls.
+
+The oracle is a plain softmax(q k^T * scale + bias) v per row and query, in float64, over the row's context
+read from the pool by position through its block table, with the family's bias (ALiBi from the first or from
+the last key), sliding window and soft-cap written out here, not taken from the code under test. A step mixes
+decode rows, drafted rows and prefill chunks of different lengths, in multi-query, grouped-query and
+multi-head layouts.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from autotp.serve.attention import Alibi, attend
+from autotp.serve.paged import KvPool
+from autotp.serve.runner import describe
+from autotp.serve.wire import Work
+
+BLOCK = 4
+# (start, tokens): decode rows, rows verifying a draft of 3, prefill chunks (one from position 0, one mid-prompt)
+ROWS = [(9, 1), (2, 1), (17, 1), (5, 4), (12, 4), (0, 11), (6, 9), (0, 1)]
+SHORT = 4  # 1 + a draft of 3: decode and drafted rows share one call
+
+
+def step(heads: int, kv: int, dim: int = 8, seed: int = 0):
+    """A pool with random keys and values, the rows' block tables (shuffled blocks), their new tokens' queries
+    and keys written to their slots as `PagedCache.update` does."""
+    g = torch.Generator().manual_seed(seed)
+    pool = KvPool([(kv, dim, torch.float32)], num_blocks=64, block_size=BLOCK, device=torch.device("cpu"))
+    pool.keys[0][:pool.slots] = torch.randn(pool.slots, kv, dim, generator=g)
+    pool.values[0][:pool.slots] = torch.randn(pool.slots, kv, dim, generator=g)
+    order = torch.randperm(64, generator=g).tolist()
+    tables, work = [], []
+    for row, (start, n) in enumerate(ROWS):
+        blocks = -(-(start + n) // BLOCK)
+        tables.append(order[:blocks])
+        del order[:blocks]
+        work.append(Work(row, tuple(range(n)), start, (), True, n > 1))
+    meta = describe(pool, tables, tuple(work), SHORT, "cpu")
+    tokens = sum(n for _, n in ROWS)
+    query = torch.randn(tokens, heads, dim, generator=g)
+    pool.keys[0].index_copy_(0, meta.slot_mapping, torch.randn(tokens, kv, dim, generator=g))
+    pool.values[0].index_copy_(0, meta.slot_mapping, torch.randn(tokens, kv, dim, generator=g))
+    return pool, tables, meta, query
+
+
+def dense(pool, tables, query, scale, window=None, softcap=None, slopes=None, from_end=False) -> torch.Tensor:
+    """Row by row, query by query, in float64."""
+    heads, kv = query.shape[1], pool.keys[0].shape[1]
+    out, t = torch.empty(query.shape, dtype=torch.float64), 0
+    for table, (start, n) in zip(tables, ROWS, strict=True):
+        length = start + n
+        slots = [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(length)]
+        k, v = pool.keys[0][slots].double(), pool.values[0][slots].double()  # (length, kv, d)
+        for i in range(n):
+            pos = start + i
+            for h in range(heads):
+                j = h // (heads // kv)
+                scores = (k[:pos + 1, j] @ query[t + i, h].double()) * scale
+                if softcap is not None:
+                    scores = torch.tanh(scores / softcap) * softcap
+                keys = torch.arange(pos + 1, dtype=torch.float64)
+                if slopes is not None:
+                    scores = scores + slopes[h] * (keys - (length - 1) if from_end else keys)
+                if window is not None:
+                    scores = scores.masked_fill(keys <= pos - window, float("-inf"))
+                out[t + i, h] = scores.softmax(-1) @ v[:pos + 1, j]
+        t += n
+    return out
+
+
+LAYOUTS = {"multi-query": (6, 1), "grouped-query": (6, 2), "multi-head": (3, 3)}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("variant", ["plain", "window", "softcap", "alibi", "alibi-from-end"])
+def test_each_token_attends_to_its_own_rows_context_as_dense_attention_does(layout, variant):
+    heads, kv = LAYOUTS[layout]
+    pool, tables, meta, query = step(heads, kv)
+    scale = 1 / math.sqrt(8)
+    slopes = torch.tensor([2 ** -(h + 1) for h in range(heads)])
+    how = {"plain": {}, "window": dict(window=3), "softcap": dict(softcap=0.7)}.get(variant, {})
+    alibi = None
+    if variant.startswith("alibi"):
+        width = 40  # a bias table wider than any row, as the families' forwards make them
+        from_end = variant == "alibi-from-end"
+        cols = torch.arange(width, dtype=torch.float32) - (width - 1 if from_end else 0)
+        alibi = Alibi(slopes[:, None] * cols, from_end=from_end)
+    got = attend(query, pool.keys[0], pool.values[0], meta, scale, alibi=alibi, **how)
+    want = dense(pool, tables, query, scale, how.get("window"), how.get("softcap"),
+                 slopes if alibi is not None else None, variant == "alibi-from-end")
+    assert len(meta.groups) == 2
+    torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
+
+
+class Calls(TorchFunctionMode):
+    """Counts scaled_dot_product_attention calls and records the shapes of their queries and keys."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            self.shapes.append((tuple(args[0].shape), tuple(args[1].shape)))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_step_of_32_rows_with_drafts_and_two_prefill_chunks_costs_two_calls_per_layer():
+    """Through a model's forward (grouped-query: 8 query heads, 2 KV heads, 2 layers): 24 decode rows, 8 rows
+    verifying a draft of 4, two prefill chunks. Two SDPA calls per layer, whatever the rows; every call's keys
+    have the pool's 2 KV heads, never one per query head."""
+    from families import build
+
+    from autotp.serve.engine import backend
+    from autotp.serve.planner import Limits
+    from autotp.serve.probe import probe
+    from autotp.serve.wire import Step
+
+    model = build("llama")
+    layers = model.config.num_hidden_layers
+    batch, _ = backend(model, probe(model), Limits(64, 4096, 4096), block_size=4, rank0=False, speculate=4)
+    work, block = [], 0
+    rows = [(30 + r, 1) for r in range(24)] + [(20 + r, 5) for r in range(8)] + [(0, 40), (16, 23)]
+    for row, (start, n) in enumerate(rows):
+        blocks = -(-(start + n) // 4)
+        work.append(Work(row, tuple(range(n)), start, tuple(range(block, block + blocks)), True, n > 1,
+                         4 if n == 5 else 0))
+        block += blocks
+    calls = Calls()
+    with calls:
+        batch.apply(Step(work=tuple(work)))
+        batch.run(Step(work=tuple(work)))
+    assert len(calls.shapes) == 2 * layers
+    assert {k[1] for _, k in calls.shapes} == {2}  # the pool's KV heads
+    # 32 short rows, their 4 query heads per KV head x 5 queries packed; 2 chunks, 4 x 40 (the longer chunk)
+    assert sorted(q[:3] for q, _ in calls.shapes) == [(2, 2, 4 * 40)] * layers + [(32, 2, 4 * 5)] * layers
