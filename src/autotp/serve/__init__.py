@@ -1,19 +1,37 @@
 """`autotp serve`: an OpenAI-compatible completions server on a tensor-parallel model.
 
-The modules, each depending only on those listed before it:
+The modules, by who may touch what (the folder is flat; the groups are the architecture):
 
-- types.py: plain shared types (Row, Result) and the log line; no torch.
-- api.py: the OpenAI protocol at the boundary (request checking, error and response bodies); no torch.
-- text.py: tokens to text: decoding, stop strings, streamed deltas.
-- scheduler.py: rank 0's admission and chunk rules under the budgets; no torch.
+The API (rank 0's HTTP thread; no torch):
+- types.py: the plain shared types (Row, Piece, Result) and the log line.
+- guard.py: what is refused before a request reaches an API (Host, key, media type, size, read time).
+- boundary.py: what every protocol checks (the JSON, the context limit, stops) and the served model's facts.
+- openai_api.py, tgi_api.py: OpenAI's and TGI's protocols, checked into rows and answered.
+- metrics.py: `/metrics`, named as vLLM names them.
+- http.py: the FastAPI app and the uvicorn thread.
+
+The engine (rank 0's decisions; never touches the batch's tensors):
+- engine.py: the step loop (continuous batching), and the other ranks' `follow`.
+- planner.py: who computes how many tokens in which blocks this step, under the budgets (`Limits`).
+- blocks.py: the block pool and its prefix cache; no torch.
+- lookup.py: prompt-lookup drafts (speculation).
+- output.py: sampling, log-probabilities, streaming and answers from a step's scores.
+- text.py: tokens to text, stop strings, streamed deltas.
+
+The runner (every rank; the only code that touches the batch's tensors):
+- runner.py: one forward per step, and the step's description (attention.StepMeta) built once before it.
+- attention.py: the paged attention every layer calls, at most two kernel calls per layer and step.
+- paged.py: the KV pool, the cache object HF's forward writes through, the attention interface entry.
+- adapters.py: paged attention for the families whose attention is inline (BLOOM, Falcon, MPT).
+- probe.py: the start-up capability check and the pool's shapes.
+- compiled.py: the decode step as one torch.compile graph (`--compile`).
+- budget.py: the KV cache's size at start-up.
+
+Lockstep (between the ranks):
 - wire.py: the `Step` rank 0 broadcasts, one message per step.
-- kv.py: the padded HF cache that rows join and leave.
-- state.py: the continuous batch every rank holds, and the forwards of one step.
-- budget.py: the KV cache's size, measured at start-up.
-- engine.py: rank 0's step loop (continuous batching) and the other ranks' `follow`, in lockstep.
-- guard.py: what is refused before a request reaches the API (Host, key, media type, size, read time).
-- http.py: the FastAPI app and the uvicorn thread on rank 0.
-- server.py: `serve()`, which loads the model and ties the above together.
+- watchdog.py: a step that failed on some ranks only, found within seconds.
+
+server.py: `serve()`, the one place that ties them together.
 
 `serve` is imported on first use, so that `autotp.serve.api` can be imported without torch.
 """

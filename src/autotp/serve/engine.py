@@ -98,9 +98,10 @@ def backend(model, shapes, limits: Limits, block_size: int = 16, caching: bool =
     return batch, PagedPlanner(BlockPool(blocks, block_size, caching), limits) if rank0 else None
 
 
-# Draft positions per step. A row with a draft computes several tokens, so its attention leaves the batched decode
-# path for one of its own (paged.py), and a draft costs compute whether it stands or not. serve_bench, demo model,
-# K = 4, tokens/s against no speculation, medians of 5 runs: uncapped 1.26x at 8 rows, 0.96x at 32; capped at 32
+# Draft positions per step. A draft costs compute whether it stands or not, and the rows of the short attention
+# group are padded to its longest query (attention.py), so one drafting row makes every decoding row attend with
+# 1 + K queries. Measured with the engine that gave drafted rows a call of their own (serve_bench, demo model,
+# K = 4, tokens/s against no speculation, medians of 5 runs): uncapped 1.26x at 8 rows, 0.96x at 32; capped at 32
 # positions, 1.47x and 0.99x.
 DRAFT_POSITIONS = 32
 

@@ -1,4 +1,4 @@
-"""The paged KV pool of one rank, the cache object HF's forward writes through, and the start-up capability check.
+"""The paged KV pool of one rank, the cache object HF's forward writes through, and the attention interface.
 
 Every layer keeps keys and values for `num_blocks * block_size` token slots, (slots + 2, kv_heads, head_dim)
 each, kv_heads being this rank's own (replicated where KV heads < tp, StarCoder's one K/V head on every rank).
