@@ -4,17 +4,19 @@ In one process (tp 1, no HTTP), `--rows` rows of an `--context`-token prompt dec
 same rows for `--steps` steps. Churn: every step the oldest row is cancelled (it leaves at the next step)
 and a new row arrives whose prompt is the same cached prompt, so in the paged engine it computes one
 token, as a decoding row does. The figure is the median step time (engine.step(), planning, the forward
-and sampling). The padded engine (`--engine padded`, the one BLOOM, Falcon and MPT use) copies every
-row's KV when one leaves and prefills a joining row's whole prompt in a forward of its own.
+and sampling). The padded engine this was once compared with (deleted since; its figures stay in the results
+file, from commit 7ef9c95) copied every row's KV when one left and prefilled a joining row's whole prompt in a
+forward of its own.
 
     python benchmarks/churn_bench.py [--model demo|smollm2] [--rows 8] [--context 400] [--steps 40]
 
-Prints a table, writes benchmarks/results/churn_bench_MODEL.json.
+Prints a table, merges its figures into benchmarks/results/churn_bench_MODEL.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from pathlib import Path
@@ -32,16 +34,16 @@ from autotp.serve.wire import Channel
 HERE = Path(__file__).parent
 
 
-def engine(model, tokenizer, paged: bool, rows: int, context: int, steps: int) -> Engine:
+def engine(model, tokenizer, rows: int, context: int, steps: int) -> Engine:
     limits = Limits(rows + 1, 2048, (rows + 2) * (context + 2 * steps + 16) + 2 * context)
-    batch, planner = backend(model, probe(model) if paged else None, limits)
+    batch, planner = backend(model, probe(model), limits)
     return Engine(batch, tokenizer, Channel(), StopFlag(), limits, 256, planner=planner)
 
 
-def measure(model, tokenizer, paged: bool, churn: bool, rows: int, context: int, steps: int) -> float:
+def measure(model, tokenizer, churn: bool, rows: int, context: int, steps: int) -> float:
     prompt = tuple(torch.randint(0, model.config.vocab_size, (context,), generator=torch.Generator().manual_seed(0))
                    .tolist())
-    eng = engine(model, tokenizer, paged, rows, context, steps)
+    eng = engine(model, tokenizer, rows, context, steps)
     jobs = []
 
     def submit():
@@ -77,17 +79,16 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(path)
     out = {}
     with torch.inference_mode():
-        for name, paged in (("paged", True), ("padded", False)):
-            for churn in (False, True):
-                out[f"{name}_{'churn' if churn else 'steady'}_s"] = measure(model, tokenizer, paged, churn, args.rows,
-                                                                           args.context, args.steps)
+        for churn in (False, True):
+            out[f"paged_{'churn' if churn else 'steady'}_s"] = measure(model, tokenizer, churn, args.rows, args.context,
+                                                                      args.steps)
     print(f"{args.model}, {args.rows} rows of {args.context} tokens, tp 1, {torch.get_num_threads()} threads: "
           f"median step time over {args.steps} steps")
-    print(f"{'engine':8} {'steady':>9} {'churn':>9} {'churn / steady':>15}")
-    for name in ("paged", "padded"):
-        steady, churn = out[f"{name}_steady_s"], out[f"{name}_churn_s"]
-        print(f"{name:8} {steady * 1e3:7.1f}ms {churn * 1e3:7.1f}ms {churn / steady:15.2f}")
-    write_json(HERE / "results" / f"churn_bench_{Path(args.model).name}.json", {**vars(args), **out})
+    steady, churn = out["paged_steady_s"], out["paged_churn_s"]
+    print(f"steady {steady * 1e3:7.1f}ms, churn {churn * 1e3:7.1f}ms, churn / steady {churn / steady:.2f}")
+    path = HERE / "results" / f"churn_bench_{Path(args.model).name}.json"
+    merged = json.loads(path.read_text()) if path.exists() else {}
+    write_json(path, merged | vars(args) | out)
 
 
 if __name__ == "__main__":
