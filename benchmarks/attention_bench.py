@@ -31,39 +31,47 @@ import torch
 HERE = Path(__file__).parent
 
 
+def wire():
+    try:
+        from autotp.serve.lockstep import wire
+    except ImportError:  # the older engine
+        from autotp.serve import wire
+    return wire
+
+
 def work(row, tokens, start, blocks, sample=True, every=False, draft=0):
     """A step's entry for one row, as the engine under test spells it (the older one: a plain tuple)."""
-    from autotp.serve import wire
-
-    if hasattr(wire, "Work"):
-        return wire.Work(row, tuple(tokens), start, tuple(blocks), sample, every, draft)
+    if hasattr(wire(), "Work"):
+        return wire().Work(row, tuple(tokens), start, tuple(blocks), sample, every, draft)
     return (row, tuple(tokens), start, tuple(blocks), sample, every)
 
 
 def make_batch(model, blocks: int, speculate: int):
-    from autotp.serve import engine
+    try:
+        from autotp.serve.server import backend
+    except ImportError:  # the older engine
+        from autotp.serve.engine import backend
 
     try:
-        from autotp.serve.probe import probe
+        from autotp.serve.runner.probe import probe
         shapes = probe(model)
     except ImportError:  # the older engine
         from autotp.serve.paged import probe
         shapes = probe(model)[0]
     try:
-        from autotp.serve.planner import Limits
+        from autotp.serve.engine.planner import Limits
     except ImportError:
         from autotp.serve.scheduler import Limits
     limits = Limits(128, 1 << 16, blocks * 16)
     try:
-        return engine.backend(model, shapes, limits, 16, False, rank0=False, speculate=speculate)[0]
+        return backend(model, shapes, limits, 16, False, rank0=False, speculate=speculate)[0]
     except TypeError:
-        return engine.backend(model, shapes, limits, 16, False, rank0=False)[0]
+        return backend(model, shapes, limits, 16, False, rank0=False)[0]
 
 
 def timed(batch, steps: list[list], runs: int) -> float:
     """Median ms of running `steps` (each a list of work entries) after a warm-up; tables rebuilt every run."""
-    from autotp.serve.wire import Step
-
+    Step = wire().Step
     times = []
     for i in range(runs + 1):
         batch.discard(batch.rows())

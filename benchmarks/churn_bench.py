@@ -25,11 +25,12 @@ import torch
 from common import write_json
 from servers import model_path
 
-from autotp.serve.engine import Engine, Job, StopFlag, backend
-from autotp.serve.planner import Limits
-from autotp.serve.probe import probe
+from autotp.serve.engine.loop import Engine, Job, StopFlag
+from autotp.serve.engine.planner import Limits
+from autotp.serve.lockstep.wire import Channel
+from autotp.serve.runner.probe import probe
+from autotp.serve.server import backend
 from autotp.serve.types import Row
-from autotp.serve.wire import Channel
 
 HERE = Path(__file__).parent
 

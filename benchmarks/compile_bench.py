@@ -48,7 +48,7 @@ def engine_run(model, batch, channel, planner, limits, rows: int, new: int) -> t
     """Rank 0: `rows` greedy rows at once on a fresh engine; (ms per decode step, each row's tokens)."""
     from transformers import AutoTokenizer
 
-    from autotp.serve.engine import Engine, Job, StopFlag
+    from autotp.serve.engine.loop import Engine, Job, StopFlag
     from autotp.serve.types import Row
 
     engine = Engine(batch, AutoTokenizer.from_pretrained(model.name_or_path), channel, StopFlag(), limits, 64,
@@ -69,10 +69,11 @@ def engine_run(model, batch, channel, planner, limits, rows: int, new: int) -> t
 def worker(path: str, batches: list[int], new: int, out: str, startup_only: bool) -> None:
     import autotp
     import autotp.distributed
-    from autotp.serve.engine import StopFlag, backend, follow
-    from autotp.serve.planner import Limits
-    from autotp.serve.probe import probe
-    from autotp.serve.wire import Channel, Step
+    from autotp.serve.engine.loop import StopFlag, follow
+    from autotp.serve.engine.planner import Limits
+    from autotp.serve.lockstep.wire import Channel, Step
+    from autotp.serve.runner.probe import probe
+    from autotp.serve.server import backend
 
     env = autotp.distributed.init("cpu")
     world, rank = env.world_size, env.rank

@@ -68,7 +68,7 @@ def decode_ms(model, batch: int, prompt_len: int, new_tokens: int, runs: int) ->
 def engine_ms(batch_obj, rows: int, prompt_len: int, new_tokens: int, runs: int) -> float:
     """The same for the serve engine's paged step: `rows` rows prefilled in one step, then `new_tokens`
     decode steps, each row's next token its argmax. Every rank runs the same steps (no scheduler)."""
-    from autotp.serve.wire import Step, Work
+    from autotp.serve.lockstep.wire import Step, Work
 
     size = batch_obj.pool.block_size
     blocks = -(-(prompt_len + new_tokens + 1) // size)
@@ -107,9 +107,9 @@ def main() -> None:
     from transformers import GPTBigCodeConfig, GPTBigCodeForCausalLM
 
     import autotp
-    from autotp.serve.engine import backend
-    from autotp.serve.planner import Limits
-    from autotp.serve.probe import probe
+    from autotp.serve.engine.planner import Limits
+    from autotp.serve.runner.probe import probe
+    from autotp.serve.server import backend
 
     tp, rank = int(os.environ["WORLD_SIZE"]), int(os.environ.get("RANK", 0))
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

@@ -80,12 +80,13 @@ def prompts(tok, chat: bool) -> dict[str, list[list[int]]]:
 
 def run(model, tok, ids: list[int], k: int) -> tuple[tuple[int, ...], float, int, int]:
     """One greedy request alone on a fresh engine: its tokens, seconds, draft tokens and accepted ones."""
-    from autotp.serve.engine import Engine, Job, StopFlag, backend
-    from autotp.serve.metrics import Metrics
-    from autotp.serve.planner import Limits
-    from autotp.serve.probe import probe
+    from autotp.serve.api.metrics import Metrics
+    from autotp.serve.engine.loop import Engine, Job, StopFlag
+    from autotp.serve.engine.planner import Limits
+    from autotp.serve.lockstep.wire import Channel
+    from autotp.serve.runner.probe import probe
+    from autotp.serve.server import backend
     from autotp.serve.types import Row
-    from autotp.serve.wire import Channel
 
     limits = Limits(16, 2048, 4096)
     batch, planner = backend(model, probe(model), limits, 16, True)

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from autotp.serve.engine import Engine, Job, StopFlag, backend, follow
-from autotp.serve.planner import Limits
-from autotp.serve.probe import probe
-from autotp.serve.text import TextStream
+from autotp.serve.engine.loop import Engine, Job, StopFlag, follow
+from autotp.serve.engine.planner import Limits
+from autotp.serve.engine.text import TextStream
+from autotp.serve.lockstep.wire import Channel, Step
+from autotp.serve.runner.probe import probe
+from autotp.serve.server import backend
 from autotp.serve.types import Row
-from autotp.serve.wire import Channel, Step
 
 
 class Recorder:

@@ -5,13 +5,13 @@ first collective for a rank that never comes."""
 import os
 import sys
 
-import autotp.serve.runner
+import autotp.serve.runner.model_runner
 from autotp.cli import main
 
 if os.environ.get("RANK") == os.environ["AUTOTP_TEST_FAIL_RANK"]:
     def out_of_memory(self, step):
         raise RuntimeError(f"CUDA out of memory on rank {os.environ['RANK']} (injected)")
 
-    autotp.serve.runner.PagedBatch._run = out_of_memory
+    autotp.serve.runner.model_runner.PagedBatch._run = out_of_memory
 
 sys.exit(main())

@@ -15,10 +15,10 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from autotp.serve.attention import Alibi, attend
-from autotp.serve.paged import KvPool
-from autotp.serve.runner import describe
-from autotp.serve.wire import Work
+from autotp.serve.lockstep.wire import Work
+from autotp.serve.runner.attention import Alibi, attend
+from autotp.serve.runner.model_runner import describe
+from autotp.serve.runner.paged import KvPool
 
 BLOCK = 4
 # (start, tokens): decode rows, rows verifying a draft of 3, prefill chunks (one from position 0, one mid-prompt)
@@ -116,10 +116,10 @@ def test_a_step_of_32_rows_with_drafts_and_two_prefill_chunks_costs_two_calls_pe
     have the pool's 2 KV heads, never one per query head."""
     from families import build
 
-    from autotp.serve.engine import backend
-    from autotp.serve.planner import Limits
-    from autotp.serve.probe import probe
-    from autotp.serve.wire import Step
+    from autotp.serve.engine.planner import Limits
+    from autotp.serve.lockstep.wire import Step
+    from autotp.serve.runner.probe import probe
+    from autotp.serve.server import backend
 
     model = build("llama")
     layers = model.config.num_hidden_layers

@@ -18,8 +18,8 @@ from serve_harness import Server
 from test_continuous import build, tokens_of
 
 from autotp.generate import generate
-from autotp.serve.compiled import bucket, decode_meta
-from autotp.serve.paged import KvPool
+from autotp.serve.runner.compiled import bucket, decode_meta
+from autotp.serve.runner.paged import KvPool
 
 DEMO = str(__import__("pathlib").Path(__import__("autotp").__file__).parent / "demo_model")
 

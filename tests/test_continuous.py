@@ -16,7 +16,7 @@ from checkpoints import word_tokenizer
 from engine_driver import drive, engine_for, job
 
 from autotp.generate import generate
-from autotp.serve.planner import Limits
+from autotp.serve.engine.planner import Limits
 
 # (prompt length, max_tokens, temperature, top_p, top_k, seed, arrival step): greedy and sampled rows,
 # two prompts longer than the 16-token chunk, six rows for four sequence slots
@@ -191,7 +191,7 @@ def test_ranks_that_fail_alike_with_their_own_messages_fail_the_rows_and_go_on(p
 def test_rank_0s_failure_on_one_rows_log_probabilities_fails_that_row_only(tokenizer, monkeypatch):
     """Sampling and log-probabilities run on rank 0 alone, after the forward: what they raise (an allocation
     for a long prompt's scores) fails the rows that asked for them with 500; the others and the engine go on."""
-    import autotp.serve.output as output_module
+    import autotp.serve.engine.output as output_module
 
     model = build("llama")
     plain, asks = job([5, 6, 7], 10, index=0), job([8, 9], 10, index=1, logprobs=2)

@@ -17,7 +17,7 @@ import pytest
 from checkpoints import word_tokenizer
 from transformers import AutoTokenizer
 
-from autotp.serve.text import Detokenizer, decode
+from autotp.serve.engine.text import Detokenizer, decode
 
 TEXT = ["déjà vu — naïve café ☕ über straße 日本語のテキスト 🙂 emoji",
         "def add(a, b):\n    return a + b  # ünïcode\n", "  leading spaces and\ttabs\n\nnew lines",

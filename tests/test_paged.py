@@ -15,8 +15,8 @@ from engine_driver import a_long_prompt_beside_decoding_rows, drive, engine_for,
 from test_continuous import build, tokens_of
 
 from autotp.generate import generate
-from autotp.serve.blocks import BlockPool
-from autotp.serve.planner import Limits, PagedPlanner
+from autotp.serve.engine.blocks import BlockPool
+from autotp.serve.engine.planner import Limits, PagedPlanner
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +118,7 @@ def test_admission_waits_for_blocks_first_come_first_served_and_running_rows_dec
 
 
 def planner_step(work):
-    from autotp.serve.wire import Step
+    from autotp.serve.lockstep.wire import Step
 
     return Step(work=tuple(work))
 

@@ -23,7 +23,7 @@ import pytest
 from pool import free_port
 from serve_harness import ENV, Server, alive
 
-from autotp.serve.text import TextStream, cut_at_stop
+from autotp.serve.engine.text import TextStream, cut_at_stop
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +61,7 @@ def test_text_stream_holds_back_partial_characters_and_stop_prefixes():
 def test_the_api_boundary_imports_no_torch():
     """The protocol modules check requests without torch: they and their imports (serve.boundary, serve.types,
     sampling, tokenizer) stay light."""
-    code = ("import sys, autotp.serve.openai_api, autotp.serve.tgi_api\n"
+    code = ("import sys, autotp.serve.api.openai_api, autotp.serve.api.tgi_api\n"
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=ENV)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr

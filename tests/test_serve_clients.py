@@ -259,8 +259,8 @@ def test_llm_vscode_dropping_its_generate_request_ends_the_row_and_counts_499(se
 def test_tgi_refuses_what_tgi_refuses_and_names_a_failed_generation_424():
     """top_p and top_k of 0 (TGI: 422, they are not "off"); an engine failure is TGI's 424 "generation", which
     huggingface_hub raises as GenerationError, where OpenAI's routes answer 500."""
-    from autotp.serve import tgi_api
-    from autotp.serve.boundary import ApiError, engine_error
+    from autotp.serve.api import tgi_api
+    from autotp.serve.api.boundary import ApiError, engine_error
 
     failed = engine_error(500, "generation failed: RuntimeError: boom")
     assert tgi_api.status(failed) == 424 and tgi_api.error_body(failed)["error_type"] == "generation"

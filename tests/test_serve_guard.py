@@ -21,7 +21,7 @@ import openai
 import pytest
 from serve_harness import Server, alive
 
-from autotp.serve.guard import host_name, host_policy
+from autotp.serve.api.guard import host_name, host_policy
 
 KEY = "test-key-123"
 

@@ -18,10 +18,10 @@ from serve_harness import Server
 from test_continuous import build, tokens_of
 
 from autotp.generate import generate
-from autotp.serve.blocks import BlockPool
-from autotp.serve.lookup import draft
-from autotp.serve.metrics import Metrics
-from autotp.serve.planner import Limits, PagedPlanner
+from autotp.serve.api.metrics import Metrics
+from autotp.serve.engine.blocks import BlockPool
+from autotp.serve.engine.lookup import draft
+from autotp.serve.engine.planner import Limits, PagedPlanner
 
 DEMO = str(__import__("pathlib").Path(__import__("autotp").__file__).parent / "demo_model")
 CODE = "def print_hello_world():"  # the demo model goes on with "if not None:" lines, again and again
@@ -192,7 +192,7 @@ def test_a_step_drafts_at_most_draft_positions_tokens_longest_first_and_no_text_
     """12 rows of the demo model, each with drafts of up to 4 tokens, at most 8 draft positions per step: no
     step drafts more, the rows left without a draft are those whose drafts were shorter than every kept one,
     and every row's text is the one without speculation."""
-    import autotp.serve.engine as engine_module
+    import autotp.serve.engine.loop as engine_module
 
     model, tok = demo
     ids = tok(CODE).input_ids

@@ -1,25 +1,24 @@
 """`autotp serve`: an OpenAI-compatible completions server on a tensor-parallel model.
 
-The modules, by who may touch what (the folder is flat; the groups are the architecture):
+The packages, by who may touch what:
 
-The API (rank 0's HTTP thread; no torch):
-- types.py: the plain shared types (Row, Piece, Result) and the log line.
+api/ (rank 0's HTTP thread; no torch):
 - guard.py: what is refused before a request reaches an API (Host, key, media type, size, read time).
 - boundary.py: what every protocol checks (the JSON, the context limit, stops) and the served model's facts.
 - openai_api.py, tgi_api.py: OpenAI's and TGI's protocols, checked into rows and answered.
 - metrics.py: `/metrics`, named as vLLM names them.
 - http.py: the FastAPI app and the uvicorn thread.
 
-The engine (rank 0's decisions; never touches the batch's tensors):
-- engine.py: the step loop (continuous batching), and the other ranks' `follow`.
+engine/ (rank 0's decisions; never imports the runner):
+- loop.py: the step loop (continuous batching), and the other ranks' `follow`.
 - planner.py: who computes how many tokens in which blocks this step, under the budgets (`Limits`).
 - blocks.py: the block pool and its prefix cache; no torch.
 - lookup.py: prompt-lookup drafts (speculation).
 - output.py: sampling, log-probabilities, streaming and answers from a step's scores.
 - text.py: tokens to text, stop strings, streamed deltas.
 
-The runner (every rank; the only code that touches the batch's tensors):
-- runner.py: one forward per step, and the step's description (attention.StepMeta) built once before it.
+runner/ (every rank; the only code that touches the batch's tensors):
+- model_runner.py: one forward per step, and the step's description (attention.StepMeta) built once before it.
 - attention.py: the paged attention every layer calls, at most two kernel calls per layer and step.
 - paged.py: the KV pool, the cache object HF's forward writes through, the attention interface entry.
 - adapters.py: paged attention for the families whose attention is inline (BLOOM, Falcon, MPT).
@@ -27,13 +26,14 @@ The runner (every rank; the only code that touches the batch's tensors):
 - compiled.py: the decode step as one torch.compile graph (`--compile`).
 - budget.py: the KV cache's size at start-up.
 
-Lockstep (between the ranks):
+lockstep/ (between the ranks):
 - wire.py: the `Step` rank 0 broadcasts, one message per step.
 - watchdog.py: a step that failed on some ranks only, found within seconds.
 
-server.py: `serve()`, the one place that ties them together.
+types.py: the plain types the API and the engine share (Row, Piece, Result) and the log line; no torch.
+server.py: `serve()` and `backend()`, the one place that imports them all and ties them together.
 
-`serve` is imported on first use, so that `autotp.serve.api` can be imported without torch.
+`serve` is imported on first use, so that the protocol modules of api/ import without torch.
 """
 
 from __future__ import annotations

@@ -26,19 +26,21 @@ from autotp import distributed
 from autotp.errors import AutotpError
 from autotp.generate import context_limit
 from autotp.hub import TOKENIZER_FILES, load_config, resolve_model_dir
-from autotp.serve import budget
-from autotp.serve.attention import BACKEND as ATTENTION_BACKEND
-from autotp.serve.boundary import Served
-from autotp.serve.compiled import cache_dir
-from autotp.serve.engine import Engine, StopFlag, backend, follow
-from autotp.serve.guard import host_policy
-from autotp.serve.http import HttpThread, build_app, listen
-from autotp.serve.metrics import Metrics
-from autotp.serve.planner import Limits, PagedPlanner
-from autotp.serve.probe import probe
-from autotp.serve.runner import PagedBatch
+from autotp.serve.api.boundary import Served
+from autotp.serve.api.guard import host_policy
+from autotp.serve.api.http import HttpThread, build_app, listen
+from autotp.serve.api.metrics import Metrics
+from autotp.serve.engine.blocks import BlockPool
+from autotp.serve.engine.loop import Engine, StopFlag, follow
+from autotp.serve.engine.planner import Limits, PagedPlanner
+from autotp.serve.lockstep.wire import Channel, Step
+from autotp.serve.runner import budget
+from autotp.serve.runner.attention import BACKEND as ATTENTION_BACKEND
+from autotp.serve.runner.compiled import cache_dir
+from autotp.serve.runner.model_runner import PagedBatch
+from autotp.serve.runner.paged import KvPool
+from autotp.serve.runner.probe import probe
 from autotp.serve.types import log
-from autotp.serve.wire import Channel, Step
 from autotp.tokenizer import load_tokenizer
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -100,6 +102,15 @@ class Backend:
     limits: Limits
     batch: PagedBatch
     planner: PagedPlanner | None
+
+
+def backend(model, shapes, limits: Limits, block_size: int = 16, caching: bool = True, rank0: bool = True,
+            speculate: int = 0) -> tuple[PagedBatch, PagedPlanner | None]:
+    """This rank's batch and, on rank 0, its planner. shapes: probe.probe's; the pool holds limits.kv_tokens //
+    block_size blocks; speculate: the longest draft, so decode and drafted rows share one attention call."""
+    blocks = limits.kv_tokens // block_size
+    batch = PagedBatch(model, KvPool(shapes, blocks, block_size, model.device), short=1 + speculate)
+    return batch, PagedPlanner(BlockPool(blocks, block_size, caching), limits) if rank0 else None
 
 
 def _backend(net, channel: Channel, env, opts: ServeOptions, max_model_len: int | None) -> Backend:

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 from autotp.sampler import RowSampler, SampleError
-from autotp.serve.metrics import Metrics
-from autotp.serve.text import Detokenizer, cut_at_stop, decode, first_stop
+from autotp.serve.api.metrics import Metrics
+from autotp.serve.engine.text import Detokenizer, cut_at_stop, decode, first_stop
 from autotp.serve.types import Piece, Result, TokenLogprob, log
 
 

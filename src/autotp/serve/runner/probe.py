@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from autotp.errors import AutotpError
-from autotp.serve import adapters
-from autotp.serve.paged import ATTENTION, PagedCache
+from autotp.serve.runner import adapters
+from autotp.serve.runner.paged import ATTENTION, PagedCache
 
 
 class Implementation:

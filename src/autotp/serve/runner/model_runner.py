@@ -19,11 +19,11 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from autotp.serve.attention import Group, StepMeta
-from autotp.serve.compiled import CompiledDecode, decode_meta
-from autotp.serve.paged import KvPool, PagedCache
-from autotp.serve.probe import Implementation
-from autotp.serve.wire import Step, Work
+from autotp.serve.lockstep.wire import Step, Work
+from autotp.serve.runner.attention import Group, StepMeta
+from autotp.serve.runner.compiled import CompiledDecode, decode_meta
+from autotp.serve.runner.paged import KvPool, PagedCache
+from autotp.serve.runner.probe import Implementation
 
 
 class Span(NamedTuple):

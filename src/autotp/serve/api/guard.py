@@ -29,8 +29,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from autotp.serve import tgi_api
-from autotp.serve.boundary import ApiError, clip
+from autotp.serve.api import tgi_api
+from autotp.serve.api.boundary import ApiError, clip
 from autotp.serve.types import log
 
 DRAIN_BYTES = 2**26  # at most this much of a refused body is read (and dropped) so that the 413 arrives

@@ -29,8 +29,8 @@ from collections.abc import Callable
 
 import torch
 
-from autotp.serve.attention import Group, StepMeta
-from autotp.serve.paged import KvPool
+from autotp.serve.runner.attention import Group, StepMeta
+from autotp.serve.runner.paged import KvPool
 
 
 def cache_dir() -> str:

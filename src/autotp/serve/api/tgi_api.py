@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-from autotp.serve.boundary import (
+from autotp.serve.api.boundary import (
     GENERATION_FAILED,
     MAX_LOGPROBS,
     MAX_STOP,

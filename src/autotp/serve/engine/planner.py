@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from autotp.serve.blocks import BlockPool, Key
-from autotp.serve.wire import Step, Work
+from autotp.serve.engine.blocks import BlockPool, Key
+from autotp.serve.lockstep.wire import Step, Work
 
 
 @dataclass(frozen=True)

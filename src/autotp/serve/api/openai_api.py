@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from pydantic import BaseModel, ConfigDict
 
-from autotp.serve.boundary import (
+from autotp.serve.api.boundary import (
     MAX_LOGPROBS,
     ApiError,
     Parsed,

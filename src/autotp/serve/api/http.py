@@ -25,12 +25,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from autotp.serve import openai_api, tgi_api
-from autotp.serve.boundary import ApiError, Parsed, Served, clip, engine_error
-from autotp.serve.engine import Engine, Job
-from autotp.serve.guard import Guard, ReadTimeoutH11, closing_response, read_body
-from autotp.serve.metrics import CONTENT_TYPE, Metrics
-from autotp.serve.text import TextStream
+from autotp.serve.api import openai_api, tgi_api
+from autotp.serve.api.boundary import ApiError, Parsed, Served, clip, engine_error
+from autotp.serve.api.guard import Guard, ReadTimeoutH11, closing_response, read_body
+from autotp.serve.api.metrics import CONTENT_TYPE, Metrics
+from autotp.serve.engine.loop import Engine, Job
+from autotp.serve.engine.text import TextStream
 from autotp.serve.types import Result, log
 
 RETRY_AFTER_S = 1  # what a 429 asks a client to wait: rows leave every step, so room comes back quickly

@@ -21,7 +21,7 @@ import torch
 from transformers import AttentionInterface
 
 from autotp.errors import AutotpError
-from autotp.serve.attention import Alibi, StepMeta, attend
+from autotp.serve.runner.attention import Alibi, StepMeta, attend
 
 ATTENTION = "autotp_paged"
 

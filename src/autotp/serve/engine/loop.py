@@ -33,17 +33,14 @@ import numpy as np
 
 from autotp import distributed
 from autotp.sampler import RowSampler, SamplingParams
-from autotp.serve import lookup
-from autotp.serve.blocks import BlockPool
-from autotp.serve.metrics import Metrics
-from autotp.serve.output import Active, Output, describe, eos_ids
-from autotp.serve.paged import KvPool
-from autotp.serve.planner import Limits, PagedPlanner
-from autotp.serve.runner import PagedBatch
-from autotp.serve.text import TextStream
+from autotp.serve.api.metrics import Metrics
+from autotp.serve.engine import lookup
+from autotp.serve.engine.output import Active, Output, describe, eos_ids
+from autotp.serve.engine.planner import Limits, PagedPlanner
+from autotp.serve.engine.text import TextStream
+from autotp.serve.lockstep.watchdog import StepWatchdog, Watch
+from autotp.serve.lockstep.wire import Channel, Step
 from autotp.serve.types import Row, log
-from autotp.serve.watchdog import StepWatchdog, Watch
-from autotp.serve.wire import Channel, Step
 
 HEARTBEAT_S = 0.5  # an idle rank 0 sends an empty step this often, so a dead rank shows within seconds
 GRACE_S = 5  # a signalled worker waits this long for rank 0's "stop" before leaving on its own
@@ -89,15 +86,6 @@ class Job:
         self.emit(("error", self.index, (status, message)))
 
 
-def backend(model, shapes, limits: Limits, block_size: int = 16, caching: bool = True, rank0: bool = True,
-            speculate: int = 0) -> tuple[PagedBatch, PagedPlanner | None]:
-    """This rank's batch and, on rank 0, its planner. shapes: probe.probe's; the pool holds limits.kv_tokens //
-    block_size blocks; speculate: the longest draft, so decode and drafted rows share one attention call."""
-    blocks = limits.kv_tokens // block_size
-    batch = PagedBatch(model, KvPool(shapes, blocks, block_size, model.device), short=1 + speculate)
-    return batch, PagedPlanner(BlockPool(blocks, block_size, caching), limits) if rank0 else None
-
-
 # Draft positions per step. A draft costs compute whether it stands or not, and the rows of the short attention
 # group are padded to its longest query (attention.py), so one drafting row makes every decoding row attend with
 # 1 + K queries. Measured with the engine that gave drafted rows a call of their own (serve_bench, demo model,
@@ -109,10 +97,11 @@ DRAFT_POSITIONS = 32
 class Engine:
     """Rank 0's scheduler: `submit` from any thread, `run` in the main thread until `stopping` is set.
 
-    batch: this rank's rows (runner.PagedBatch); planner: the block accounting; speculate: up to this many
+    batch: this rank's rows (runner/model_runner.PagedBatch, which the engine drives by its steps and never
+    imports); planner: the block accounting; speculate: up to this many
     prompt-lookup draft tokens verified per decoding row and step."""
 
-    def __init__(self, batch: PagedBatch, tokenizer, channel: Channel, stopping: StopFlag, limits: Limits,
+    def __init__(self, batch, tokenizer, channel: Channel, stopping: StopFlag, limits: Limits,
                  max_queue: int, planner: PagedPlanner, metrics: Metrics | None = None, speculate: int = 0):
         self.batch, self.planner = batch, planner
         self.speculate = speculate  # draft tokens per row per step (lookup.py)

@@ -23,8 +23,8 @@ import types
 from transformers.models.bloom.modeling_bloom import dropout_add
 from transformers.models.falcon.modeling_falcon import apply_rotary_pos_emb
 
-from autotp.serve.attention import Alibi
-from autotp.serve.paged import PagedCache
+from autotp.serve.runner.attention import Alibi
+from autotp.serve.runner.paged import PagedCache
 
 
 def _bloom(module, hidden_states, residual, alibi, attention_mask, layer_past=None, **kwargs):
