@@ -221,6 +221,9 @@ def test_the_openai_client_through_the_router_gets_each_replicas_own_answer(flee
     # they pass, and the demo model's missing chat template is what refuses the request
     with pytest.raises(openai.BadRequestError, match="no chat template"):
         router.client.chat.completions.create(model="demo_model", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError, match="separate_reasoning=false is not supported"):
+        router.client.chat.completions.create(model="demo_model", messages=[{"role": "user", "content": "hi"}],
+                                              extra_body={"separate_reasoning": False})
     # a user's own SGLang extension at a value autotp does not implement: a 400 that names it
     with pytest.raises(openai.BadRequestError, match="ignore_eos=true is not supported"):
         router.client.completions.create(model="demo_model", prompt="x", max_tokens=2, extra_body={"ignore_eos": True})
