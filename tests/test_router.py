@@ -88,6 +88,9 @@ def test_a_flush_is_refused_while_a_row_runs_and_empties_the_cache_when_idle(tmp
     assert flushed.result(timeout=0) >= 7 and engine.planner.pool.available() == engine.planner.pool.num_blocks
     drive(engine, {0: [job(prompt, 2, index=2)]})
     assert engine.metrics.prefix_hits._value.get() == hits  # computed cold
+    late = engine.flush_cache()
+    engine._refuse_queued()  # the engine stops: nobody will answer at a next step
+    assert isinstance(late.exception(timeout=0), RuntimeError)
 
 
 # -- the fleet ----------------------------------------------------------------------------------------------------

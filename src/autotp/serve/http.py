@@ -112,7 +112,7 @@ async def _watch_disconnect(request: Request, call: Call) -> None:
 
 
 def build_app(served: Served, engine: Engine, metrics: Metrics, max_body_bytes: int,
-              allowed_hosts: frozenset[str] | None, api_key: str | None, worker: router_api.Worker) -> FastAPI:
+              allowed_hosts: frozenset[str] | None, api_key: str | None, facts: router_api.Facts) -> FastAPI:
     app = FastAPI(title="autotp serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(Guard, allowed_hosts=allowed_hosts, api_key=api_key, max_body_bytes=max_body_bytes)
     app.add_middleware(CountAnswers, metrics=metrics)  # outside the guard: its refusals are answers too
@@ -200,12 +200,12 @@ def build_app(served: Served, engine: Engine, metrics: Metrics, max_body_bytes: 
     @app.get("/server_info")
     @app.get("/get_server_info")  # the older name, which the router falls back to
     async def server_info() -> dict:
-        return router_api.server_info(served, worker, engine.max_queue)
+        return router_api.server_info(served, facts, engine.max_queue)
 
     @app.get("/model_info")
     @app.get("/get_model_info")
     async def model_info() -> dict:
-        return router_api.model_info(served, worker)
+        return router_api.model_info(served, facts)
 
     @app.get("/get_load")
     async def get_load() -> list[dict]:

@@ -28,7 +28,7 @@ from autotp.serve.boundary import ApiError, Served
 
 
 @dataclass(frozen=True)
-class Worker:
+class Facts:
     """What start-up knows about this server that the router asks for (server.py fills it in)."""
 
     model_path: str  # --model as given: a hub id, or a directory's absolute path
@@ -40,17 +40,17 @@ class Worker:
     max_prefill_tokens: int  # --max-num-batched-tokens
 
 
-def server_info(served: Served, worker: Worker, max_queue: int) -> dict:
-    return {"served_model_name": served.model_id, "model_path": worker.model_path,
-            "tokenizer_path": worker.tokenizer_path, "tp_size": worker.tp_size, "dp_size": 1,
+def server_info(served: Served, facts: Facts, max_queue: int) -> dict:
+    return {"served_model_name": served.model_id, "model_path": facts.model_path,
+            "tokenizer_path": facts.tokenizer_path, "tp_size": facts.tp_size, "dp_size": 1,
             "context_length": served.max_model_len, "max_total_tokens": served.kv_tokens,
-            "max_running_requests": worker.max_running_requests, "max_prefill_tokens": worker.max_prefill_tokens,
+            "max_running_requests": facts.max_running_requests, "max_prefill_tokens": facts.max_prefill_tokens,
             "max_queued_requests": max_queue, "version": autotp.__version__, "server": "autotp"}
 
 
-def model_info(served: Served, worker: Worker) -> dict:
-    return {"model_path": worker.model_path, "tokenizer_path": worker.tokenizer_path, "is_generation": True,
-            "model_type": worker.model_type, "architectures": list(worker.architectures),
+def model_info(served: Served, facts: Facts) -> dict:
+    return {"model_path": facts.model_path, "tokenizer_path": facts.tokenizer_path, "is_generation": True,
+            "model_type": facts.model_type, "architectures": list(facts.architectures),
             "served_model_name": served.model_id, "max_context_length": served.max_model_len}
 
 

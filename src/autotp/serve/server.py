@@ -216,12 +216,12 @@ def serve(model: str, model_id: str, opts: ServeOptions = ServeOptions()) -> int
     engine.metrics = Metrics(lambda: engine.counts()[0], lambda: engine.counts()[1],
                              lambda: engine.kv_used() / limits.kv_tokens)
     served = Served(model_id, tokenizer, max_model_len, int(time.time()), limits.kv_tokens)
-    worker = router_api.Worker(
+    facts = router_api.Facts(  # what SGLang's router asks each replica
         str(model_dir.resolve()) if model_dir == Path(model) else model,
         str(Path(tokenizer_dir or model_dir).resolve()), config.model_type, tuple(config.architectures or ()),
         env.world_size, limits.max_num_seqs, limits.max_num_batched_tokens)
     app = build_app(served, engine, engine.metrics, opts.max_body_bytes, host_policy(opts.host, opts.allowed_hosts),
-                    opts.api_key, worker)
+                    opts.api_key, facts)
     http = HttpThread(app, sock, opts.read_timeout)
     try:
         http.start()
