@@ -44,8 +44,7 @@ FILES = ["textwrap.py", "json/decoder.py", "shlex.py", "fnmatch.py", "glob.py", 
          "calendar.py"]
 START_TIMEOUT_S = 300
 ROUTER_FLAGS = ["--health-check-interval-secs", "2", "--health-check-timeout-secs", "2", "--health-failure-threshold",
-                "2", "--cb-failure-threshold", "2", "--cb-timeout-duration-secs", "30", "--retry-max-retries", "3",
-                "--log-level", "warn"]
+                "2", "--cb-failure-threshold", "2", "--cb-timeout-duration-secs", "30", "--log-level", "warn"]
 
 
 def user_text(i: int, prefix_chars: int, tail_chars: int) -> tuple[str, str]:

@@ -38,9 +38,9 @@ from autotp.serve.blocks import BlockPool
 DEMO = Path(__file__).parent.parent / "src" / "autotp" / "demo_model"
 KEY = "router-test-key"
 # what the README recommends: a dead replica is out of rotation after two failed requests (circuit breaker) or
-# two failed health checks 2 s apart, whichever comes first; a request that failed is retried up to 3 times
+# two failed health checks 2 s apart, whichever comes first; a request is tried up to 5 times (the router's default)
 HEALTH = ["--health-check-interval-secs", "2", "--health-check-timeout-secs", "2", "--health-failure-threshold", "2",
-          "--cb-failure-threshold", "2", "--cb-timeout-duration-secs", "30", "--retry-max-retries", "3"]
+          "--cb-failure-threshold", "2", "--cb-timeout-duration-secs", "30"]
 START_S = 60  # the router registers its workers within this (they are up before it starts)
 USERS = 4
 
