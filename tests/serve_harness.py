@@ -46,12 +46,15 @@ class Server:
     """torchrun -m autotp serve on a free port (--port 0), output in a log file the tests read."""
 
     def __init__(self, model_dir: str, log: Path, *args: str, api_key: str = "unused", ranks: int = 2,
-                 script: str | None = None, env: dict | None = None):
-        """script: a file torchrun runs instead of `-m autotp` (one that patches autotp, then calls its main)."""
+                 script: str | None = None, env: dict | None = None, torchrun: bool = True):
+        """script: a file torchrun runs instead of `-m autotp` (one that patches autotp, then calls its main);
+        torchrun=False: one process, `python -m autotp serve` (tp 1), as a user starts it without torchrun."""
         self.model_id, self.log, self.api_key = Path(model_dir).name, log, api_key
         entry = [script] if script else ["-m", "autotp"]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port",
-               str(free_port()), *entry, "serve", "--model", model_dir, "--port", "0", "--max-num-seqs", "8", *args]
+        launcher = (["-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port", str(free_port())]
+                    if torchrun else [])
+        cmd = [sys.executable, *launcher, *entry, "serve", "--model", model_dir, "--port", "0", "--max-num-seqs", "8",
+               *args]
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**ENV, **(env or {})},
                                          start_new_session=True)

@@ -157,6 +157,11 @@ BAD = [  # (body, status, param, message fragment)
     ({"prompt": "x", "stop": list("abcdefghijklmnopq")}, 400, "stop", "at most 16"),
     ({"prompt": "x", "stream": "yes"}, 400, "stream", "valid boolean"),
     ({"prompt": "x", "bogus": 1}, 400, "bogus", "unrecognized request argument"),
+    # SGLang's extensions, which its router adds at their neutral values, are refused at any other
+    ({"prompt": "x", "no_stop_trim": True}, 400, "no_stop_trim", "no_stop_trim=true is not supported"),
+    ({"prompt": "x", "skip_special_tokens": False}, 400, "skip_special_tokens", "leave it out or send true"),
+    ({"prompt": "x", "ignore_eos": "no"}, 400, "ignore_eos", "valid boolean"),
+    ({"prompt": "x", "separate_reasoning": True}, 400, "separate_reasoning", "unrecognized"),  # chat's only
     # what torch.Generator.manual_seed cannot take killed every rank, even at temperature 0
     ({"prompt": "x", "seed": 2**64, "temperature": 0}, 400, "seed", "between -9223372036854775808 and"),
     ({"prompt": "x", "seed": -2**63 - 1}, 400, "seed", "got -9223372036854775809"),

@@ -53,6 +53,21 @@ def test_the_api_key_is_required_on_v1_only(server):
     assert server.health() == {"status": "ok"}  # probes need no key
 
 
+def test_the_routes_a_router_reads_need_the_key_too(server):
+    """sglang-router sends its --api-key to every worker route it calls; without it they are 401 like /v1/*.
+    POST /flush_cache comes with no body and no Content-Type, as the router sends it; other POSTs still need JSON."""
+    def ask(method: str, path: str, key: str) -> int:
+        head = f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {key}\r\n"
+        answer = server.raw((head + ("Content-Length: 0\r\n" if method == "POST" else "") + "\r\n").encode())
+        return int(answer.split(b" ", 2)[1])
+
+    routes = [("GET", p) for p in ("/server_info", "/get_server_info", "/model_info", "/get_model_info",
+                                   "/get_load")] + [("POST", "/flush_cache")]
+    assert [ask(m, p, "wrong") for m, p in routes] == [401] * len(routes)
+    assert [ask(m, p, KEY) for m, p in routes] == [200] * len(routes)
+    assert ask("POST", "/v1/completions", KEY) == 415
+
+
 def test_a_declared_length_over_the_limit_is_413_before_the_body(server):
     answer = server.raw(("POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                          f"Authorization: Bearer {KEY}\r\nContent-Length: 65537\r\n\r\n").encode(), timeout=10)

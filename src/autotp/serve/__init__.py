@@ -6,6 +6,7 @@ api/ (rank 0's HTTP thread; no torch):
 - guard.py: what is refused before a request reaches an API (Host, key, media type, size, read time).
 - boundary.py: what every protocol checks (the JSON, the context limit, stops) and the served model's facts.
 - openai_api.py, tgi_api.py: OpenAI's and TGI's protocols, checked into rows and answered.
+- router_api.py: what SGLang's router reads from each replica (server and model facts, load, cache flush).
 - metrics.py: `/metrics`, named as vLLM names them.
 - http.py: the FastAPI app and the uvicorn thread.
 

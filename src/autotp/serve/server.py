@@ -26,6 +26,7 @@ from autotp import distributed
 from autotp.errors import AutotpError
 from autotp.generate import context_limit
 from autotp.hub import TOKENIZER_FILES, load_config, resolve_model_dir
+from autotp.serve.api import router_api
 from autotp.serve.api.boundary import Served
 from autotp.serve.api.guard import host_policy
 from autotp.serve.api.http import HttpThread, build_app, listen
@@ -217,8 +218,12 @@ def serve(model: str, model_id: str, opts: ServeOptions = ServeOptions()) -> int
     engine.metrics = Metrics(lambda: engine.counts()[0], lambda: engine.counts()[1],
                              lambda: engine.kv_used() / limits.kv_tokens)
     served = Served(model_id, tokenizer, max_model_len, int(time.time()), limits.kv_tokens)
+    facts = router_api.Facts(  # what SGLang's router asks each replica
+        str(model_dir.resolve()) if model_dir == Path(model) else model,
+        str(Path(tokenizer_dir or model_dir).resolve()), config.model_type, tuple(config.architectures or ()),
+        env.world_size, limits.max_num_seqs, limits.max_num_batched_tokens)
     app = build_app(served, engine, engine.metrics, opts.max_body_bytes, host_policy(opts.host, opts.allowed_hosts),
-                    opts.api_key)
+                    opts.api_key, facts)
     http = HttpThread(app, sock, opts.read_timeout)
     try:
         http.start()

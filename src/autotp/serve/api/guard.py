@@ -3,11 +3,13 @@
 - Host: a server bound to loopback answers only Host headers that name loopback (localhost, 127.0.0.1,
   [::1], any port), so a web page whose domain resolves to 127.0.0.1 (DNS rebinding) cannot use it;
   `--allowed-hosts` replaces that list ("*": any). A server bound elsewhere accepts any Host.
-- API key: with `--api-key` (or AUTOTP_API_KEY), /v1/* and TGI's generation routes need
-  `Authorization: Bearer <key>`, as OpenAI and Hugging Face clients send it; /health, /info and
-  /metrics stay open for probes and scrapers.
+- API key: with `--api-key` (or AUTOTP_API_KEY), /v1/*, TGI's generation routes and the routes SGLang's
+  router reads (router_api.py) need `Authorization: Bearer <key>`, as OpenAI and Hugging Face clients and
+  the router send it; /health, /info and /metrics stay open for probes and scrapers.
 - POST bodies must be `application/json` (a browser form or `text/plain` fetch cannot be one without a
-  CORS preflight, which this server never grants), of at most `--max-body-bytes`: a declared
+  CORS preflight, which this server never grants), except POST /flush_cache, whose body is ignored and
+  which the router sends with none (a web page can send it too: only an API key keeps it out), of at most
+  `--max-body-bytes`: a declared
   Content-Length beyond it is refused without parsing, a chunked body once it grows beyond it. The body
   is read and discarded (up to DRAIN_BYTES) before the 413 is sent: a client that writes its whole body
   before reading (Python's http.client, requests) would otherwise see its connection reset, not the 413.
@@ -34,7 +36,10 @@ from autotp.serve.api.boundary import ApiError, clip
 from autotp.serve.types import log
 
 DRAIN_BYTES = 2**26  # at most this much of a refused body is read (and dropped) so that the 413 arrives
-KEYED = ("/v1/",)  # path prefixes that need the API key, beside TGI's generation routes
+KEYED = ("/v1/",)  # path prefixes that need the API key, beside TGI's generation routes and ROUTER_PATHS
+ROUTER_PATHS = frozenset({"/server_info", "/get_server_info", "/model_info", "/get_model_info", "/get_load",
+                          "/flush_cache"})  # router_api.py's
+BODYLESS = frozenset({"/flush_cache"})  # POSTs that carry nothing, sent without a Content-Type
 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 
@@ -69,14 +74,15 @@ class Guard:
         if self.allowed_hosts is not None and host is not None and host_name(host) not in self.allowed_hosts:
             return ApiError(400, f"the Host header {host!r} is not allowed by this server (see --allowed-hosts)",
                             code="invalid_host")
-        if self.api_key is not None and (scope["path"].startswith(KEYED) or tgi_api.is_tgi(scope["path"])):
+        path = scope["path"]
+        if self.api_key is not None and (path.startswith(KEYED) or path in ROUTER_PATHS or tgi_api.is_tgi(path)):
             given = headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
                 return ApiError(401, "missing or incorrect API key: send it as 'Authorization: Bearer <key>'",
                                 code="invalid_api_key")
         if scope["method"] == "POST":
             media = headers.get("content-type", "").split(";")[0].strip().lower()
-            if media != "application/json":
+            if media != "application/json" and not (path in BODYLESS and not media):
                 return ApiError(415, f"the request body must be application/json, got {media or 'no Content-Type'!r}",
                                 code="unsupported_media_type")
             length = headers.get("content-length", "0")

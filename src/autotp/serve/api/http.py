@@ -1,7 +1,8 @@
 """Rank 0's HTTP side of `autotp serve`: the FastAPI app and the uvicorn thread that runs it.
 
 Endpoints: OpenAI's POST /v1/completions and /v1/chat/completions, GET /v1/models; TGI's POST /generate,
-/generate_stream and / and GET /info (tgi_api.py); GET /health and GET /metrics (Prometheus). guard.py
+/generate_stream and / and GET /info (tgi_api.py); what SGLang's router reads from its workers, GET /server_info,
+/model_info, /get_load and POST /flush_cache (router_api.py); GET /health and GET /metrics (Prometheus). guard.py
 refuses what must not reach them (Host, key, media type, size, slow reads). A request is checked by its
 protocol module in a worker thread (tokenizing a long prompt takes seconds that /health must not wait
 for), split into one Job per row and handed to the Engine; the engine's thread sends events back into
@@ -25,7 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from autotp.serve.api import openai_api, tgi_api
+from autotp.serve.api import openai_api, router_api, tgi_api
 from autotp.serve.api.boundary import ApiError, Parsed, Served, clip, engine_error
 from autotp.serve.api.guard import Guard, ReadTimeoutH11, closing_response, read_body
 from autotp.serve.api.metrics import CONTENT_TYPE, Metrics
@@ -34,6 +35,7 @@ from autotp.serve.engine.text import TextStream
 from autotp.serve.types import Result, log
 
 RETRY_AFTER_S = 1  # what a 429 asks a client to wait: rows leave every step, so room comes back quickly
+FLUSH_WAIT_S = 10  # a flush is answered at the engine's next step (at most engine.HEARTBEAT_S when idle)
 
 
 def _sse(item: dict | str) -> str:
@@ -110,7 +112,7 @@ async def _watch_disconnect(request: Request, call: Call) -> None:
 
 
 def build_app(served: Served, engine: Engine, metrics: Metrics, max_body_bytes: int,
-              allowed_hosts: frozenset[str] | None, api_key: str | None) -> FastAPI:
+              allowed_hosts: frozenset[str] | None, api_key: str | None, facts: router_api.Facts) -> FastAPI:
     app = FastAPI(title="autotp serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(Guard, allowed_hosts=allowed_hosts, api_key=api_key, max_body_bytes=max_body_bytes)
     app.add_middleware(CountAnswers, metrics=metrics)  # outside the guard: its refusals are answers too
@@ -194,6 +196,32 @@ def build_app(served: Served, engine: Engine, metrics: Metrics, max_body_bytes: 
     @app.get("/info")
     async def info() -> dict:
         return tgi_api.info(served, engine.max_queue)
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")  # the older name, which the router falls back to
+    async def server_info() -> dict:
+        return router_api.server_info(served, facts, engine.max_queue)
+
+    @app.get("/model_info")
+    @app.get("/get_model_info")
+    async def model_info() -> dict:
+        return router_api.model_info(served, facts)
+
+    @app.get("/get_load")
+    async def get_load() -> list[dict]:
+        return router_api.load(*engine.load())
+
+    @app.post("/flush_cache")  # the router sends no body: guard.py lets this one POST come without a media type
+    async def flush_cache() -> dict:
+        if not engine.accepting:
+            raise ApiError(503, "the server is shutting down", type="server_error")
+        try:
+            blocks = await asyncio.wait_for(asyncio.wrap_future(engine.flush_cache()), FLUSH_WAIT_S)
+        except (asyncio.TimeoutError, RuntimeError):
+            raise ApiError(503, "the server is shutting down", type="server_error") from None
+        log("flush_cache: " + ("refused, requests are running or waiting" if blocks is None else
+                               f"{blocks} cached blocks forgotten"))
+        return router_api.flushed(blocks)
 
     @app.post("/generate")
     async def generate(request: Request):

@@ -15,6 +15,10 @@ Counted per prompt row (a request with n prompts or n choices is n rows), as vLL
 - autotp:request_success_total{finished_reason="stop"|"length"} (rows), and
   autotp:request_errors_total{status} (HTTP requests answered 4xx/5xx, 499 for a client that left).
 
+Every family has samples from start-up: the labelled counters start at 0 for each finished_reason and for the
+statuses autotp answers with. A router that merges its replicas' scrapes (sglang-router's /engine_metrics) refuses
+a family whose label names differ between replicas, as they do between one with samples and one without.
+
 The engine reports from its thread, the HTTP side from the event loop; prometheus_client is thread-safe.
 Each server has a registry of its own (not the process-global one).
 """
@@ -34,6 +38,10 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
                960.0, 1920.0, 7680.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+FINISH_REASONS = ("stop", "length")  # output.py's
+# what autotp answers errors with: OpenAI's and the guard's 4xx, TGI's 422 and 424, a client that left (499), a
+# failed generation (500), shutting down (503); other statuses (405) get their sample when they first happen
+ERROR_STATUSES = (400, 401, 404, 413, 415, 422, 424, 429, 499, 500, 503)
 
 
 class Metrics:
@@ -64,6 +72,10 @@ class Metrics:
                                ["finished_reason"], registry=r)
         self.errors = Counter(f"{PREFIX}request_errors", "HTTP requests answered with an error, by status.",
                               ["status"], registry=r)
+        for reason in FINISH_REASONS:
+            self.success.labels(finished_reason=reason)
+        for status in ERROR_STATUSES:
+            self.errors.labels(status=str(status))
 
     def token(self, arrived: float, previous: float | None) -> float:
         """A row's new token (from the engine's thread); returns its time, the next call's `previous`."""

@@ -8,6 +8,7 @@ temperature, top-k or top-p), as vLLM reports them by default. No torch here.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import replace
 
@@ -58,6 +59,12 @@ class Sampled(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, int] | None = None
+    # SGLang's extensions, which its router (sglang-router) and vllm-router add to every body they forward:
+    # accepted at the values they add, which are what autotp does anyway (ROUTER_NEUTRAL)
+    no_stop_trim: bool | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    return_hidden_states: bool | None = None
 
 
 class CompletionBody(Sampled):
@@ -88,17 +95,29 @@ class ChatBody(Sampled):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    continue_final_message: bool | None = None  # SGLang's chat extensions, added by the routers too
+    separate_reasoning: bool | None = None
+    stream_reasoning: bool | None = None
 
 
 MAX_N = 16  # choices per prompt: each one is a row
+
+# The value each SGLang extension takes when it changes nothing, beside None (left out). no_stop_trim false: the
+# stop string is cut from the text; ignore_eos false: EOS ends a row; skip_special_tokens true: special tokens are
+# left out of the text (autotp's decode skips them); no hidden states. Chat: the template adds the generation
+# prompt (no final message continued); with no reasoning parser there is no reasoning to separate or stream.
+ROUTER_NEUTRAL = {"no_stop_trim": (None, False), "ignore_eos": (None, False), "skip_special_tokens": (None, True),
+                  "return_hidden_states": (None, False)}
+CHAT_NEUTRAL = {"continue_final_message": (None, False), "separate_reasoning": (None, True),
+                "stream_reasoning": (None, True)}
 
 
 def _neutral(body: BaseModel, fields: dict[str, tuple]) -> None:
     for name, allowed in fields.items():
         value = getattr(body, name)
         if value not in allowed:
-            raise invalid(name, f"{name}={value!r} is not supported by autotp serve; leave it out or send "
-                                f"{allowed[-1]!r}")
+            raise invalid(name, f"{name}={json.dumps(value)} is not supported by autotp serve; leave it out or "
+                                f"send {json.dumps(allowed[-1])}")
 
 
 def _common(body: Sampled, served: Served, max_tokens: int | None, default_tokens: int):
@@ -106,7 +125,8 @@ def _common(body: Sampled, served: Served, max_tokens: int | None, default_token
     if body.model != served.model_id:
         raise ApiError(404, f"the model {body.model!r} does not exist: this server serves {served.model_id!r}",
                        param="model", code="model_not_found")
-    _neutral(body, {"presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {})})
+    _neutral(body, {"presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
+                    **ROUTER_NEUTRAL})
     n = 1 if body.n is None else body.n
     if not 1 <= n <= MAX_N:
         raise invalid("n", f"n must be between 1 and {MAX_N}, got {n}")
@@ -171,6 +191,7 @@ def _chat_prompt(body: ChatBody, served: Served) -> str:
 def parse_chat(raw: bytes, served: Served) -> Parsed:
     """POST /v1/chat/completions bytes -> rows: the messages through the tokenizer's chat template."""
     body = validate(ChatBody, parse_json(raw))
+    _neutral(body, CHAT_NEUTRAL)
     text = _chat_prompt(body, served)
     tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     room = min(served.max_model_len, served.kv_tokens)

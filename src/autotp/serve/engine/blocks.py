@@ -94,6 +94,16 @@ class BlockPool:
             else:
                 self.free.append(block)
 
+    def flush(self) -> int:
+        """Forget every cached block nobody holds (`POST /flush_cache`): each becomes free, its key gone, so no later
+        prompt finds it. Returns how many. Blocks that rows hold keep their keys."""
+        for block in self.idle:
+            del self.content[self.key_of.pop(block)]
+            self.free.append(block)
+        flushed = len(self.idle)
+        self.idle.clear()
+        return flushed
+
     def register(self, block: int, parent: Key | None, tokens: tuple[int, ...]) -> Key:
         """A held block is now full with tokens, its keys and values computed: cache it under its key.
         Returns the key (its children's parent). A second block with the same content stays uncached."""

@@ -26,6 +26,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from itertools import islice
 
@@ -122,6 +123,7 @@ class Engine:
         self.forwards = 0  # steps that ran a forward, numbered as every rank numbers them (watchdog.py)
         self.watch = Watch(0, distributed.world_size(), channel.tag())
         self.watchdog = StepWatchdog(self.watch, self._lost)
+        self.flushes: queue.Queue[Future] = queue.Queue()  # POST /flush_cache, answered between two steps
 
     @property
     def metrics(self) -> Metrics | None:
@@ -143,6 +145,30 @@ class Engine:
             for job in jobs:
                 self.inbox.put(job)
         return "ok"
+
+    def flush_cache(self) -> Future:
+        """Empty the prefix cache on the engine's thread, between two steps (any thread may ask). The future's
+        result: the cached blocks forgotten (0 without prefix caching), or None while rows run or prompts wait:
+        nothing is flushed then, as SGLang refuses, since running rows would cache their blocks again."""
+        future: Future = Future()
+        self.flushes.put(future)
+        return future
+
+    def _answer_flushes(self) -> None:
+        while not self.flushes.empty():
+            future = self.flushes.get_nowait()
+            with self.lock:
+                busy = bool(self.active or self.queued)
+            future.set_result(None if busy else self.planner.pool.flush() if self.planner is not None else 0)
+
+    def load(self) -> tuple[int, int, int]:
+        """(rows running, prompts waiting, tokens): the KV slots rows hold plus the waiting prompts' tokens, as
+        SGLang's /get_load counts them; any thread."""
+        with self.lock:
+            waiting = [j.row.ids for j in list(self.waiting)]
+            running = sum(not a.done for a in list(self.active.values()))
+            queued = self.queued
+        return running, queued, self.kv_used() + sum(map(len, waiting))
 
     def counts(self) -> tuple[int, int]:
         """(rows running or prefilling, jobs waiting), for the metrics; any thread. A row that has its answer
@@ -178,6 +204,8 @@ class Engine:
         for job in self.waiting:
             job.fail(503, "the server is shutting down")
         self.waiting.clear()
+        while not self.flushes.empty():
+            self.flushes.get_nowait().set_exception(RuntimeError("the server is shutting down"))
 
     def _lost(self, why: str) -> None:
         """Lockstep is lost (a rank died, a collective failed, a forward failed on some ranks only): every
@@ -209,6 +237,7 @@ class Engine:
         self.batch.apply(step)
         for row in step.drop:
             del self.active[row]
+        self._answer_flushes()
         if not step.runs:
             return
         self.forwards += 1
