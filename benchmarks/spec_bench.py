@@ -36,7 +36,7 @@ QUESTIONS = ["Why is the sky blue? Answer in a paragraph.", "Describe the water 
 def functions(count: int = 4) -> list[tuple[str, str]]:
     """(source, name) of the first `count` functions of 10 to 25 lines in autotp's serve/ package."""
     out = []
-    for path in sorted((ROOT / "src" / "autotp" / "serve").glob("*.py")):
+    for path in sorted((ROOT / "src" / "autotp" / "serve").rglob("*.py")):
         text = path.read_text()
         for node in ast.walk(ast.parse(text)):
             lines = node.end_lineno - node.lineno if isinstance(node, ast.FunctionDef) else 0
