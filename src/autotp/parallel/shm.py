@@ -68,13 +68,22 @@ def _compile(source: Path) -> Path:
 
 
 _arrive = None
+_unbuilt: Exception | None = None  # why the barrier could not be built: once per process, not once per group
 
 
 def _barrier():
-    """shm_wait.c's autotp_shm_arrive, built and loaded on first use."""
-    global _arrive
+    """shm_wait.c's autotp_shm_arrive, built and loaded on first use; a build that failed is not tried again
+    (serve opens two process groups: the second would run the compiler, and warn, again)."""
+    global _arrive, _unbuilt
+    if _unbuilt is not None:
+        raise _unbuilt
     if _arrive is None:
-        f = ctypes.CDLL(str(_compile(Path(__file__).with_name("shm_wait.c")))).autotp_shm_arrive
+        try:
+            lib = ctypes.CDLL(str(_compile(Path(__file__).with_name("shm_wait.c"))))
+        except Exception as e:
+            _unbuilt = e
+            raise
+        f = lib.autotp_shm_arrive
         f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32,
                       ctypes.c_longlong, ctypes.c_int, ctypes.c_longlong]
         f.restype = ctypes.c_int
@@ -245,9 +254,15 @@ def _open(group: dist.ProcessGroup) -> ShmGroup | None:
     return ShmGroup(segment, rank, tp, _timeout_s(group))
 
 
+_said: set[str] = set()
+
+
 def _off(why: str) -> None:
-    """Rank 0's one line when shared memory cannot be used (this module imports no autotp rank plumbing)."""
-    print(f"autotp: warning: shared-memory collectives are off, gloo carries them ({why})", flush=True)
+    """Rank 0's one line when shared memory cannot be used (this module imports no autotp rank plumbing), once
+    per process for each reason: every process group that cannot use it for the same reason says nothing new."""
+    if why not in _said:
+        _said.add(why)
+        print(f"autotp: warning: shared-memory collectives are off, gloo carries them ({why})", flush=True)
 
 
 def _map(path: str, size: int, create: bool) -> tuple[mmap.mmap | None, str]:
