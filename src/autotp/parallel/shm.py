@@ -48,7 +48,12 @@ SPIN_S = 1e-3  # 64 KB at tp 2, measured when written: 43 us spinning up to 1 ms
 
 
 class PeerGone(RuntimeError):
-    """A rank's process exited while the others waited for it in a shared-memory collective."""
+    """A rank's process exited while the others waited for it in a shared-memory collective: which one (its
+    rank in the group) and its pid."""
+
+    def __init__(self, rank: int, pid: int):
+        super().__init__(f"rank {rank} (pid {pid}) exited during a shared-memory collective")
+        self.rank, self.pid = rank, pid
 
 
 def _compile(source: Path) -> Path:
@@ -105,7 +110,7 @@ class ShmGroup:
         # spin up to SPIN_S before sleeping; with more ranks than cores, yield the core at every turn
         self.waiting = (int(SPIN_S * 1e9), int(tp > len(os.sched_getaffinity(0))), int(timeout_s * 1e9))
         self.calls = 0
-        self.broken = ""
+        self.broken: Exception | None = None
         self.views: dict[tuple[int, torch.dtype, int], tuple[torch.Tensor, ...]] = {}
         self.arrive = _barrier()
 
@@ -123,17 +128,17 @@ class ShmGroup:
         return views
 
     def _wait(self) -> None:
-        if self.broken:
-            raise RuntimeError(self.broken)
+        if self.broken is not None:
+            raise self.broken
         self.calls += 1
         code = self.arrive(*self.args, (self.calls * self.tp) & 0xFFFFFFFF, *self.waiting)
         if code > 0:
-            self.broken = (f"rank {code - 1} (pid {int(self.pids[code - 1])}) exited during a shared-memory "
-                           f"collective")
-            raise PeerGone(self.broken)
+            self.broken = PeerGone(code - 1, int(self.pids[code - 1]))
+            raise self.broken
         if code < 0:
-            self.broken = f"a shared-memory collective waited {self.waiting[2] / 1e9:.0f} s for the other ranks"
-            raise RuntimeError(self.broken)
+            self.broken = RuntimeError(f"a shared-memory collective waited {self.waiting[2] / 1e9:.0f} s for the "
+                                       f"other ranks")
+            raise self.broken
 
     def _pieces(self, x: torch.Tensor):
         """x's elements in slot-sized pieces: (offset, flat piece) each."""

@@ -46,7 +46,7 @@ from autotp.serve.scheduler import Limits, Need, plan_padded
 from autotp.serve.state import Batch
 from autotp.serve.text import TextStream
 from autotp.serve.types import Row, log
-from autotp.serve.watchdog import StepWatchdog, Watch
+from autotp.serve.watchdog import StepWatchdog, Watch, rank_died
 from autotp.serve.wire import Channel, Step
 
 HEARTBEAT_S = 0.5  # an idle rank 0 sends an empty step this often, so a dead rank shows within seconds
@@ -138,6 +138,7 @@ class Engine:
         self.error = ""  # how this rank's last step failed, sent with the next step
         self.failed: list[tuple[Job, str]] = []  # answered 500 once the next step reached every rank
         self.forwards = 0  # steps that ran a forward, numbered as every rank numbers them (watchdog.py)
+        self.doing = "starting"  # what the ranks do now, for the line that says a rank died
         self.watch = Watch(0, distributed.world_size(), channel.tag())
         self.watchdog = StepWatchdog(self.watch, self._lost)
 
@@ -189,7 +190,7 @@ class Engine:
             self._answer_failed()
             return 0
         except Exception as e:  # noqa: BLE001 - a rank died or a collective failed: lockstep is lost
-            self._lost(describe(e))
+            self._lost(rank_died(e, self.doing) or describe(e))
             return 1
         finally:
             self._refuse_queued()
@@ -228,6 +229,7 @@ class Engine:
         """One iteration: plan, send, run, sample. An idle one sends a heartbeat after up to HEARTBEAT_S."""
         self._intake(block=not self.active)
         step = self._plan()
+        self.doing = f"receiving step {self.forwards + 1} from rank 0"
         self.channel.send(step)
         self._answer_failed()
         self.batch.apply(step)
@@ -236,11 +238,14 @@ class Engine:
         if not step.runs:
             return
         self.forwards += 1
+        self.doing = f"running the forward of step {self.forwards} ({len(self.active)} rows)"
         self.watchdog.begin(self.forwards)
         try:
             scores = self.batch.run(step, prefilled=self.output.take)
         except Exception as e:  # noqa: BLE001 - the next step tells every rank; they must have failed alike
             self.watchdog.end()
+            if rank_died(e, self.doing):  # no rank is left to compare with: run() says which one died
+                raise
             self.watch.failed(self.forwards, describe(e))
             if not self.watch.alike(self.forwards):  # a rank that did not fail waits in a collective
                 raise RuntimeError(f"rank 0's forward failed and another rank's did not: {describe(e)}") from e

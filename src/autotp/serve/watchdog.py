@@ -24,9 +24,25 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
+from autotp.distributed import peer_lost
+from autotp.parallel.shm import PeerGone
+
 GRACE_S = 5.0  # ranks that fail alike fail within milliseconds of each other: a second rank's note comes sooner
 POLL_S = 0.25
 PREFIX = "autotp/serve/failed"
+
+
+def rank_died(e: BaseException, doing: str) -> str | None:
+    """One line for a failure that is another rank's exit (a shared-memory collective names it; gloo's
+    "Connection closed by peer" does not), saying what the ranks were doing; None for any other failure."""
+    seen = e
+    while seen is not None:
+        if isinstance(seen, PeerGone):
+            return f"rank {seen.rank} (pid {seen.pid}) exited while the ranks were {doing}"
+        seen = seen.__cause__ or seen.__context__
+    if peer_lost(e):
+        return f"a rank exited while the ranks were {doing} ({type(e).__name__}: {e})".splitlines()[0][:300]
+    return None
 
 
 class Watch:
