@@ -408,10 +408,12 @@ def test_a_dead_rank_gets_503_and_the_server_exits(model_dir, tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_a_rank_killed_while_serving_is_named_in_one_line(model_dir, tmp_path):
+@pytest.mark.parametrize("shm", ["1", "0"], ids=["shared-memory", "gloo"])
+def test_a_rank_killed_while_serving_is_named_in_one_line(model_dir, tmp_path, shm):
     """SIGKILL of rank 1 (the OOM killer) while a completion streams: the log names rank 1 and its pid and what
-    the ranks were doing, in one line; not "rank 0's forward failed and another rank's did not"."""
-    s = Server(model_dir, tmp_path / "server.log")
+    the ranks were doing, in one line; not "rank 0's forward failed and another rank's did not". Through gloo
+    too (AUTOTP_SHM=0, as across hosts), whose error names no rank."""
+    s = Server(model_dir, tmp_path / "server.log", env={"AUTOTP_SHM": shm})
     try:
         worker = max(s.ranks)  # rank 1 was started second
         stream = s.client.completions.create(model=s.model_id, prompt="def add(a, b):", max_tokens=100,

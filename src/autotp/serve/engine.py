@@ -46,7 +46,7 @@ from autotp.serve.scheduler import Limits, Need, plan_padded
 from autotp.serve.state import Batch
 from autotp.serve.text import TextStream
 from autotp.serve.types import Row, log
-from autotp.serve.watchdog import StepWatchdog, Watch, rank_died
+from autotp.serve.watchdog import StepWatchdog, Watch
 from autotp.serve.wire import Channel, Step
 
 HEARTBEAT_S = 0.5  # an idle rank 0 sends an empty step this often, so a dead rank shows within seconds
@@ -190,7 +190,7 @@ class Engine:
             self._answer_failed()
             return 0
         except Exception as e:  # noqa: BLE001 - a rank died or a collective failed: lockstep is lost
-            self._lost(rank_died(e, self.doing) or describe(e))
+            self._lost(self.watch.died(e, self.doing) or describe(e))
             return 1
         finally:
             self._refuse_queued()
@@ -244,7 +244,7 @@ class Engine:
             scores = self.batch.run(step, prefilled=self.output.take)
         except Exception as e:  # noqa: BLE001 - the next step tells every rank; they must have failed alike
             self.watchdog.end()
-            if rank_died(e, self.doing):  # no rank is left to compare with: run() says which one died
+            if self.watch.died(e, self.doing):  # no rank is left to compare with: run() says which one died
                 raise
             self.watch.failed(self.forwards, describe(e))
             if not self.watch.alike(self.forwards):  # a rank that did not fail waits in a collective
