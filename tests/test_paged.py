@@ -16,7 +16,6 @@ from test_continuous import build, tokens_of
 
 from autotp.generate import generate
 from autotp.serve.blocks import BlockPool
-from autotp.serve.metrics import Metrics
 from autotp.serve.planner import PagedPlanner
 from autotp.serve.scheduler import Limits
 
@@ -154,28 +153,6 @@ def test_the_blocks_are_never_overcommitted_and_admission_waits_for_room(tokeniz
         assert tokens_of(j.emit.ended) == generate(model, torch.tensor([j.row.ids]), max_new_tokens=20)[0, 10:].tolist()
 
 
-def test_a_cached_block_under_another_parent_is_not_served(tokenizer):
-    """Cache A + C and B + D, then serve A + D: A comes from the cache, D was cached only after B, so it is
-    computed again (its keys and values depend on everything before it). Tokens: HF generate's of A + D;
-    log-probabilities: the model's own log-softmax over A + D and the tokens generated; prefix hits: A's."""
-    model = build("llama")
-    g = torch.Generator().manual_seed(6)
-    a, b, c, d = (torch.randint(0, 101, (8,), generator=g).tolist() for _ in range(4))  # 2 blocks of 4 each
-    engine = engine_for(model, tokenizer)
-    drive(engine, {0: [job(a + c + [1], 4, index=0), job(b + d + [1], 4, index=1)]})
-    engine.metrics = Metrics(lambda: 0, lambda: 0, lambda: 0.0)
-    served = job(a + d + [1], 8, logprobs=2, index=2)
-    drive(engine, {0: [served]})
-    assert engine.metrics.prefix_hits._value.get() == len(a)  # A's blocks, and not D's
-    prompt = a + d + [1]
-    want = generate(model, torch.tensor([prompt]), max_new_tokens=8)[0, len(prompt):].tolist()
-    assert tokens_of(served.emit.ended) == want
-    with torch.no_grad():
-        scores = model(torch.tensor([prompt + want])).logits[0, len(prompt) - 1:-1].log_softmax(-1)
-    got = [e.logprob for e in served.emit.ended[2].logprobs]
-    assert got == pytest.approx([scores[i, t].item() for i, t in enumerate(want)], abs=1e-4)
-
-
 @pytest.mark.parametrize("name", ["gpt_bigcode_mqa12", "llama", "mistral", "gpt2", "qwen2_moe"])
 def test_a_prompt_served_from_cached_blocks_gets_the_tokens_and_scores_it_gets_cold(name, tokenizer):
     """Multi-query, grouped-query, a sliding window of 4, Conv1D and MoE: the editor's pattern, a prompt
@@ -238,3 +215,27 @@ def test_prompt_log_probabilities_are_computed_in_full_beside_rows_served_from_t
     scores = model(torch.tensor([prompt])).logits[0].log_softmax(-1)
     assert [e.logprob for e in got[1:]] == pytest.approx([scores[j, prompt[j + 1]].item()
                                                           for j in range(len(prompt) - 1)], abs=1e-4)
+
+
+def test_a_cached_block_under_another_parent_is_not_served(tokenizer):
+    """Cache A + C and B + D, then serve A + D: A comes from the cache, D was cached only after B, so it is
+    computed again (its keys and values depend on everything before it). Tokens: HF generate's of A + D;
+    log-probabilities: the model's own log-softmax over A + D and the tokens generated; prefix hits: A's."""
+    from autotp.serve.metrics import Metrics
+
+    model = build("llama")
+    g = torch.Generator().manual_seed(6)
+    a, b, c, d = (torch.randint(0, 101, (8,), generator=g).tolist() for _ in range(4))  # 2 blocks of 4 each
+    engine = engine_for(model, tokenizer)
+    drive(engine, {0: [job(a + c + [1], 4, index=0), job(b + d + [1], 4, index=1)]})
+    engine.metrics = Metrics(lambda: 0, lambda: 0, lambda: 0.0)
+    served = job(a + d + [1], 8, logprobs=2, index=2)
+    drive(engine, {0: [served]})
+    assert engine.metrics.prefix_hits._value.get() == len(a)  # A's blocks, and not D's
+    prompt = a + d + [1]
+    want = generate(model, torch.tensor([prompt]), max_new_tokens=8)[0, len(prompt):].tolist()
+    assert tokens_of(served.emit.ended) == want
+    with torch.no_grad():
+        scores = model(torch.tensor([prompt + want])).logits[0, len(prompt) - 1:-1].log_softmax(-1)
+    got = [e.logprob for e in served.emit.ended[2].logprobs]
+    assert got == pytest.approx([scores[i, t].item() for i, t in enumerate(want)], abs=1e-4)
