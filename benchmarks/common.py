@@ -70,6 +70,17 @@ def current_rss_mib() -> float:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
 
 
+def merged(old, new):
+    """new over old, key by key at every depth of dicts: what a run did not measure stays as it was."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return {**old, **{k: merged(old[k], v) if k in old else v for k, v in new.items()}}
+    return new
+
+
 def write_json(path: Path, data) -> None:
+    """Writes data into the results file at path by merging (`merged`), not overwriting: a run of some parts
+    or some configurations keeps the figures of the others, which RESULTS.md may still quote. A script whose
+    runs are repeated keys each run (serve_bench's `runs`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2) + "\n")
+    old = json.loads(path.read_text()) if path.exists() else {}
+    path.write_text(json.dumps(merged(old, data), indent=2) + "\n")

@@ -1,7 +1,7 @@
 """Per-rank peak RSS and load time of `autotp.from_pretrained` at tp 1, 2, 4 (issue: core, benchmarks).
 
 Target: per-rank peak RSS <= 1.15 x (weights / tp) + the RSS of a process that only imports torch,
-transformers and autotp. Prints a table, writes benchmarks/results/load_memory.json.
+transformers and autotp. Prints a table, merges it into benchmarks/results/load_memory_DTYPE.json (rows by tp).
 
     python benchmarks/load_memory.py [--dtype bfloat16] [--tp 1 2 4]
 """
@@ -55,8 +55,12 @@ def main() -> None:
         print(f"{r['tp']:>3} {r['rank']:>4} {r['param_mib']:>10} {r['read_mib']:>9} {r['peak_rss_load_mib']:>13} "
               f"{r['peak_rss_forward_mib']:>9} {r['peak_rss_generate_mib']:>9} "
               f"{r['target_mib']:>10} {'yes' if r['met'] else 'NO':>4} {r['load_s']:>7}")
-    write_json(HERE / "results" / f"load_memory_{args.dtype}.json",
-               {"checkpoint_mib": round(weights_mib, 1), "idle_rss_mib": round(idle, 1), "rows": rows})
+    # rows of the tp sizes not run this time are kept (RESULTS.md quotes them): each run replaces its own
+    path = HERE / "results" / f"load_memory_{args.dtype}.json"
+    old = json.loads(path.read_text()).get("rows", []) if path.exists() else []
+    kept = [r for r in old if r["tp"] not in args.tp]
+    write_json(path, {"checkpoint_mib": round(weights_mib, 1), "idle_rss_mib": round(idle, 1),
+                      "rows": sorted(kept + rows, key=lambda r: (r["tp"], r["rank"]))})
 
 
 if __name__ == "__main__":

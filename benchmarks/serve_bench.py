@@ -13,7 +13,7 @@ Three loads, every request streamed and greedy, through the `openai` client:
 
     python benchmarks/serve_bench.py [--systems new:1 new:2 old:1 old:2 hf] [--baseline 6a1d188] [--model demo]
 
-Prints a table, writes benchmarks/results/serve_bench[_MODEL].json.
+Prints a table, merges it into benchmarks/results/serve_bench[_MODEL].json under `runs`, keyed by --run.
 """
 
 from __future__ import annotations
@@ -163,6 +163,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--serve-args", default="", help="more `autotp serve` flags for new:N and old:N, "
                                                          "e.g. '--speculate 0'")
+    parser.add_argument("--run", default=None, help="this run's key in the results file (default: the UTC time): "
+                                                    "runs are kept side by side, a repeated key is replaced")
     args = parser.parse_args()
     rows = {}
     with tempfile.TemporaryDirectory() as scratch:
@@ -188,8 +190,10 @@ def main() -> None:
           "short one's first token)")
     print("\n".join(report))
     suffix = "" if args.model == "demo" else f"_{Path(args.model).name}"
-    write_json(HERE / "results" / f"serve_bench{suffix}.json", {"cpus": cpus(), "baseline": args.baseline,
-                                                                "model": args.model, "rows": rows, "goals": report})
+    run = args.run or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    write_json(HERE / "results" / f"serve_bench{suffix}.json", {"runs": {run: {
+        "cpus": cpus(), "baseline": args.baseline, "model": args.model, "serve_args": args.serve_args,
+        "concurrency": args.concurrency, "rows": rows, "goals": report}}})
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@ tests/test_shm.py: RANK, WORLD_SIZE, MASTER_PORT from the environment; argv[1] s
 
 - die: after 5 all-reduces rank 1 kills itself (SIGKILL, as the OOM killer does); the others all-reduce
   once more and must fail, naming rank 1, long before the group's 300 s timeout.
-- sum: 20 all-reduces; every rank prints whether shared memory carried them and whether the sums are right.
+- sum: 20 all-reduces, each of other values, then 5 in a second process group (as `autotp serve` has: the
+  model's and the step channel's); every rank prints whether shared memory carried them and whether every
+  sum is right.
 """
 
 import os
@@ -22,9 +24,19 @@ os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 dist.init_process_group("gloo", timeout=timedelta(seconds=300))
 rank, world = dist.get_rank(), dist.get_world_size()
 group = GroupRef.of(dist.group.WORLD)
-expected = sum(range(world))
-for _ in range(5 if sys.argv[1] == "die" else 20):
-    ok = all_reduce_sum(torch.full((1000,), float(rank)), group).eq(expected).all().item()
+
+def sums(group: GroupRef, n: int) -> bool:
+    """n all-reduces of (rank + i) * (1 + index): each one's sum checked, not only the last."""
+    right = []
+    for i in range(n):
+        x = (rank + i) * (1 + torch.arange(1000, dtype=torch.float32))
+        right.append(all_reduce_sum(x, group).equal((sum(range(world)) + world * i) * (1 + torch.arange(1000.0))))
+    return all(right) and len(right) == n
+
+
+ok = sums(group, 5 if sys.argv[1] == "die" else 20)
+if sys.argv[1] == "sum":
+    ok = sums(GroupRef.of(dist.new_group(backend="gloo")), 5) and ok
 print(f"rank {rank}: shared memory {shm.for_group(group.name, group.get()) is not None}, sums right {ok}", flush=True)
 if sys.argv[1] == "die":
     if rank == 1:

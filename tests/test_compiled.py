@@ -123,14 +123,23 @@ def test_sharded_compiled_rows_get_the_unsharded_tokens(pools, tokenizer, tokeni
 
 def test_a_machine_without_a_compiler_is_served_eager_after_one_warning(demo_tmp_compiler_free):
     """`autotp serve --compile` where inductor's C++ compiler is missing: one warning line naming the
-    failure, and the answers are the eager server's."""
+    failure, and the answers are eager's: the unsharded model's greedy text (float32 as stored; tp 2 reorders
+    sums only), whole and streamed."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     server, log = demo_tmp_compiler_free
     text = server.text()
     warnings = [line for line in text.splitlines() if "did not compile" in line]
     assert len(warnings) == 1, text
-    answer = server.client.completions.create(model=server.model_id, prompt="def f(x):", max_tokens=12,
-                                              temperature=0)
-    assert answer.choices[0].text
+    prompt = "def f(x):"
+    answer = server.client.completions.create(model=server.model_id, prompt=prompt, max_tokens=24, temperature=0)
+    model, tok = AutoModelForCausalLM.from_pretrained(DEMO).eval(), AutoTokenizer.from_pretrained(DEMO)
+    ids = tok(prompt).input_ids
+    want = generate(model, torch.tensor([ids]), max_new_tokens=24)[0, len(ids):].tolist()
+    assert answer.choices[0].text == tok.decode(want, skip_special_tokens=True) and answer.usage.completion_tokens == 24
+    stream = server.client.completions.create(model=server.model_id, prompt=prompt, max_tokens=24, temperature=0,
+                                              stream=True)
+    assert "".join(c.choices[0].text for c in stream if c.choices) == answer.choices[0].text
 
 
 @pytest.fixture

@@ -43,7 +43,8 @@ def test_the_longest_cached_run_of_full_blocks_is_found_by_hand():
     a = held(pool, [1, 2, 3, 4, 5, 6])  # blocks (1 2) (3 4) (5 6)
     assert [b for b, _ in pool.match([1, 2, 3, 4, 5, 6, 7], 9)] == a
     assert [b for b, _ in pool.match([1, 2, 3, 4, 9, 9], 9)] == a[:2]  # third block differs
-    assert pool.match([2, 1, 3, 4], 9) == []  # the same (3 4) after another first block is another key
+    other = held(pool, [2, 1])  # (2 1) cached too: the lookup of [2, 1, 3, 4] reaches (3 4) with another parent
+    assert [b for b, _ in pool.match([2, 1, 3, 4], 9)] == other  # the same (3 4) after another block: another key
     assert [b for b, _ in pool.match([1, 2, 3, 4, 5, 6], 2)] == a[:2]  # limit: the last token is computed again
     assert [b for b, _ in pool.match([1, 2, 3], 9)] == a[:1]  # (3) alone is no full block
 
@@ -144,9 +145,9 @@ def test_the_blocks_are_never_overcommitted_and_admission_waits_for_room(tokeniz
     used, together = [], []
     g = torch.Generator().manual_seed(2)
     jobs = [job(torch.randint(0, 101, (10,), generator=g).tolist(), 20, index=i) for i in range(6)]
-    drive(engine, {0: jobs}, on_step=lambda s, e: (used.append(e.planner.pool.used()), together.append(
-        len(e.batch.rows()))))
-    assert max(used) <= 24 and max(together) == 3  # 10 + 19 tokens need 8 blocks: 3 rows fit, a fourth waits
+    drive(engine, {0: jobs}, on_step=lambda s, e: (used.append(e.kv_used()), together.append(e.counts()[0])))
+    # 10 + 19 tokens need 8 blocks: 3 rows fit, a fourth waits; the 3 fill all 24 blocks (96 slots) at their end
+    assert max(together) == 3 and max(used) == 96
     for j in jobs:
         assert tokens_of(j.emit.ended) == generate(model, torch.tensor([j.row.ids]), max_new_tokens=20)[0, 10:].tolist()
 
@@ -223,3 +224,27 @@ def test_prompt_log_probabilities_are_computed_in_full_beside_rows_served_from_t
     scores = model(torch.tensor([prompt])).logits[0].log_softmax(-1)
     assert [e.logprob for e in got[1:]] == pytest.approx([scores[j, prompt[j + 1]].item()
                                                           for j in range(len(prompt) - 1)], abs=1e-4)
+
+
+def test_a_cached_block_under_another_parent_is_not_served(tokenizer):
+    """Cache A + C and B + D, then serve A + D: A comes from the cache, D was cached only after B, so it is
+    computed again (its keys and values depend on everything before it). Tokens: HF generate's of A + D;
+    log-probabilities: the model's own log-softmax over A + D and the tokens generated; prefix hits: A's."""
+    from autotp.serve.api.metrics import Metrics
+
+    model = build("llama")
+    g = torch.Generator().manual_seed(6)
+    a, b, c, d = (torch.randint(0, 101, (8,), generator=g).tolist() for _ in range(4))  # 2 blocks of 4 each
+    engine = engine_for(model, tokenizer)
+    drive(engine, {0: [job(a + c + [1], 4, index=0), job(b + d + [1], 4, index=1)]})
+    engine.metrics = Metrics(lambda: 0, lambda: 0, lambda: 0.0)
+    served = job(a + d + [1], 8, logprobs=2, index=2)
+    drive(engine, {0: [served]})
+    assert engine.metrics.prefix_hits._value.get() == len(a)  # A's blocks, and not D's
+    prompt = a + d + [1]
+    want = generate(model, torch.tensor([prompt]), max_new_tokens=8)[0, len(prompt):].tolist()
+    assert tokens_of(served.emit.ended) == want
+    with torch.no_grad():
+        scores = model(torch.tensor([prompt + want])).logits[0, len(prompt) - 1:-1].log_softmax(-1)
+    got = [e.logprob for e in served.emit.ended[2].logprobs]
+    assert got == pytest.approx([scores[i, t].item() for i, t in enumerate(want)], abs=1e-4)

@@ -413,6 +413,43 @@ def test_a_dead_rank_gets_503_and_the_server_exits(model_dir, tmp_path):
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("shm", ["1", "0"], ids=["shared-memory", "gloo"])
+def test_a_rank_killed_while_serving_is_named_in_one_line(model_dir, tmp_path, shm):
+    """SIGKILL of rank 1 (the OOM killer) while a completion streams: the log names rank 1 and its pid and what
+    the ranks were doing, in one line; not "rank 0's forward failed and another rank's did not". Through gloo
+    too (AUTOTP_SHM=0, as across hosts), whose error names no rank."""
+    s = Server(model_dir, tmp_path / "server.log", env={"AUTOTP_SHM": shm})
+    try:
+        worker = max(s.ranks)  # rank 1 was started second
+        stream = s.client.completions.create(model=s.model_id, prompt="def add(a, b):", max_tokens=100,
+                                             temperature=0, stream=True)
+        with pytest.raises((openai.APIError, openai.APIConnectionError)):
+            for n, _ in enumerate(stream):
+                if n == 2:
+                    os.kill(worker, signal.SIGKILL)
+        s.proc.wait(timeout=60)
+        lines = [line for line in s.text().splitlines() if "ranks failed, shutting down" in line]
+        assert len(lines) == 1, s.text()[-3000:]
+        assert f"rank 1 (pid {worker}) exited while the ranks were " in lines[0], lines
+        assert "forward failed" not in s.text(), s.text()[-3000:]
+    finally:
+        s.kill()
+
+
+@pytest.mark.timeout(120)
+def test_without_a_compiler_serve_warns_once(model_dir, tmp_path):
+    """No `cc` (or a read-only ~/.cache): both of serve's process groups (the model's, the step channel's) fall
+    back to gloo, and the README promises one warning line."""
+    s = Server(model_dir, tmp_path / "server.log", env={"CC": "/bin/false", "XDG_CACHE_HOME": str(tmp_path)})
+    try:
+        assert s.client.completions.create(model=s.model_id, prompt="x", max_tokens=2).usage.completion_tokens == 2
+        warnings = [line for line in s.text().splitlines() if "shared-memory collectives are off" in line]
+        assert len(warnings) == 1 and "C compiler failed" in warnings[0], warnings
+    finally:
+        s.kill()
+
+
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("ranks, failing", [(2, 1), (3, 2), (2, 0)])
 def test_a_forward_that_fails_on_one_rank_only_gets_503_within_seconds(model_dir, tmp_path, ranks, failing):
     """One rank's forward raises (an out-of-memory error on one GPU) while the others wait in its first
@@ -475,7 +512,10 @@ def test_serve_on_every_familys_checkpoint(tmp_path, family_checkpoint):
     assert out.returncode == 0, out.stderr[-3000:]
     for name in FAMILIES:
         result = json.loads((tmp_path / f"{name}.json").read_text())
-        expected = tokenizer.decode(family_checkpoint(name)[1]["greedy"][0][len(PROMPT[0]):], skip_special_tokens=True)
+        # what the completion adds to the prompt's text: the word tokenizer joins words with spaces, so " w0 ..."
+        greedy, before = family_checkpoint(name)[1]["greedy"][0], tokenizer.decode(PROMPT[0], skip_special_tokens=True)
+        expected = tokenizer.decode(greedy, skip_special_tokens=True)[len(before):]
+        assert tokenizer.decode(greedy, skip_special_tokens=True).startswith(before) and expected.startswith(" ")
         assert result["code"] == 0 and "error" not in result, (name, result)
         assert result["text"] == result["streamed"] == expected, (name, result)
         if name == "bloom":

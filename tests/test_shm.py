@@ -164,10 +164,19 @@ def test_a_rank_killed_mid_run_fails_the_others_within_seconds_and_leaves_no_seg
     assert _segments() <= before
 
 
+def test_separate_processes_sum_right_at_every_all_reduce_in_two_groups():
+    """Launched as torchrun launches ranks (not the pool's forked workers): all 25 sums right, silently."""
+    ranks = _launch(2, "sum")
+    assert [r.returncode for r in ranks] == [0, 0], [r.stdout for r in ranks]
+    assert all(r.stdout.strip() == f"rank {i}: shared memory True, sums right True" for i, r in enumerate(ranks)), \
+        [r.stdout for r in ranks]
+
+
 def test_without_a_compiler_gloo_carries_the_sums_after_one_warning(tmp_path):
     ranks = _launch(2, "sum", {"CC": "/bin/false", "XDG_CACHE_HOME": str(tmp_path)})
     assert [r.returncode for r in ranks] == [0, 0], [r.stdout for r in ranks]
     assert all("shared memory False, sums right True" in r.stdout for r in ranks)
+    # one line, though both process groups (as serve's two) found no barrier
     warnings = [line for r in ranks for line in r.stdout.splitlines() if "warning" in line]
     assert len(warnings) == 1 and "gloo carries them" in warnings[0] and "C compiler failed" in warnings[0], warnings
 

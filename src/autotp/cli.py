@@ -160,7 +160,9 @@ def cmd_generate(args) -> int:
                    compile=args.compile)
     new = out[0, ids.shape[-1]:]
     if args.json:
-        completion = tokenizer.decode(new, skip_special_tokens=True) if tokenizer is not None else None
+        from autotp.serve.engine.text import added_text  # with the prompt as left context, as the server decodes it
+
+        completion = added_text(tokenizer, ids[0].tolist(), new.tolist()) if tokenizer is not None else None
         distributed.print0(json.dumps({"output_ids": out.tolist(), "text": completion}))
     elif tokenizer is None:
         distributed.print0(",".join(str(t) for t in out[0].tolist()))

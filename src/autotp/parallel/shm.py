@@ -48,7 +48,12 @@ SPIN_S = 1e-3  # 64 KB at tp 2, measured when written: 43 us spinning up to 1 ms
 
 
 class PeerGone(RuntimeError):
-    """A rank's process exited while the others waited for it in a shared-memory collective."""
+    """A rank's process exited while the others waited for it in a shared-memory collective: which one (its
+    rank in the group) and its pid."""
+
+    def __init__(self, rank: int, pid: int):
+        super().__init__(f"rank {rank} (pid {pid}) exited during a shared-memory collective")
+        self.rank, self.pid = rank, pid
 
 
 def _compile(source: Path) -> Path:
@@ -68,13 +73,22 @@ def _compile(source: Path) -> Path:
 
 
 _arrive = None
+_unbuilt: Exception | None = None  # why the barrier could not be built: once per process, not once per group
 
 
 def _barrier():
-    """shm_wait.c's autotp_shm_arrive, built and loaded on first use."""
-    global _arrive
+    """shm_wait.c's autotp_shm_arrive, built and loaded on first use; a build that failed is not tried again
+    (serve opens two process groups: the second would run the compiler, and warn, again)."""
+    global _arrive, _unbuilt
+    if _unbuilt is not None:
+        raise _unbuilt
     if _arrive is None:
-        f = ctypes.CDLL(str(_compile(Path(__file__).with_name("shm_wait.c")))).autotp_shm_arrive
+        try:
+            lib = ctypes.CDLL(str(_compile(Path(__file__).with_name("shm_wait.c"))))
+        except Exception as e:
+            _unbuilt = e
+            raise
+        f = lib.autotp_shm_arrive
         f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32,
                       ctypes.c_longlong, ctypes.c_int, ctypes.c_longlong]
         f.restype = ctypes.c_int
@@ -96,7 +110,7 @@ class ShmGroup:
         # spin up to SPIN_S before sleeping; with more ranks than cores, yield the core at every turn
         self.waiting = (int(SPIN_S * 1e9), int(tp > len(os.sched_getaffinity(0))), int(timeout_s * 1e9))
         self.calls = 0
-        self.broken = ""
+        self.broken: Exception | None = None
         self.views: dict[tuple[int, torch.dtype, int], tuple[torch.Tensor, ...]] = {}
         self.arrive = _barrier()
 
@@ -114,17 +128,17 @@ class ShmGroup:
         return views
 
     def _wait(self) -> None:
-        if self.broken:
-            raise RuntimeError(self.broken)
+        if self.broken is not None:
+            raise self.broken
         self.calls += 1
         code = self.arrive(*self.args, (self.calls * self.tp) & 0xFFFFFFFF, *self.waiting)
         if code > 0:
-            self.broken = (f"rank {code - 1} (pid {int(self.pids[code - 1])}) exited during a shared-memory "
-                           f"collective")
-            raise PeerGone(self.broken)
+            self.broken = PeerGone(code - 1, int(self.pids[code - 1]))
+            raise self.broken
         if code < 0:
-            self.broken = f"a shared-memory collective waited {self.waiting[2] / 1e9:.0f} s for the other ranks"
-            raise RuntimeError(self.broken)
+            self.broken = RuntimeError(f"a shared-memory collective waited {self.waiting[2] / 1e9:.0f} s for the "
+                                       f"other ranks")
+            raise self.broken
 
     def _pieces(self, x: torch.Tensor):
         """x's elements in slot-sized pieces: (offset, flat piece) each."""
@@ -245,9 +259,15 @@ def _open(group: dist.ProcessGroup) -> ShmGroup | None:
     return ShmGroup(segment, rank, tp, _timeout_s(group))
 
 
+_said: set[str] = set()
+
+
 def _off(why: str) -> None:
-    """Rank 0's one line when shared memory cannot be used (this module imports no autotp rank plumbing)."""
-    print(f"autotp: warning: shared-memory collectives are off, gloo carries them ({why})", flush=True)
+    """Rank 0's one line when shared memory cannot be used (this module imports no autotp rank plumbing), once
+    per process for each reason: every process group that cannot use it for the same reason says nothing new."""
+    if why not in _said:
+        _said.add(why)
+        print(f"autotp: warning: shared-memory collectives are off, gloo carries them ({why})", flush=True)
 
 
 def _map(path: str, size: int, create: bool) -> tuple[mmap.mmap | None, str]:

@@ -28,6 +28,7 @@ from autotp.serve.api.boundary import (
     usage_of,
     validate,
 )
+from autotp.serve.engine.text import CONTEXT, token_text
 from autotp.serve.types import Piece, Result, Row, TokenLogprob
 
 STRICT = ConfigDict(strict=True, extra="forbid")
@@ -218,6 +219,9 @@ class Completions:
     def __init__(self, served: Served, prompts: list[str], echo: bool, logprobs: int | None, usage: bool):
         self.served, self.prompts, self.echo, self.logprobs, self.usage = served, prompts, echo, logprobs, usage
         self.pending: dict[int, list[TokenLogprob]] = {}  # streamed log-probabilities not sent yet
+        self.rows: list[Row] = []
+        self.left: dict[int, list[int]] = {}  # a streamed choice's last tokens: its next tokens' left context
+        self.offset: dict[int, int] = {}  # the length of a streamed choice's token texts so far
 
     def _object(self, cid: str, choices: list[dict], usage: dict | None = None) -> dict:
         out = {"id": cid, "object": self.kind, "created": int(time.time()), "model": self.served.model_id,
@@ -235,26 +239,30 @@ class Completions:
             if self.logprobs is not None:
                 ids = list(row.ids) + list(r.tokens) if self.echo else list(r.tokens)
                 entries = list(r.prompt_logprobs) + list(r.logprobs) if self.echo else list(r.logprobs)
-                lp = self._logprobs(ids, entries)
+                lp = self._logprobs([] if self.echo else list(row.ids), ids, entries)
             choices.append(self._choice(i, text, r.finish_reason, lp))
         return self._object(cid, choices, usage_of(prompt_tokens, results))
 
-    def _logprobs(self, ids: list[int], entries: list[TokenLogprob | None], offset: int = 0) -> dict:
+    def _logprobs(self, left: list[int], ids: list[int], entries: list[TokenLogprob | None], offset: int = 0) -> dict:
         """OpenAI's legacy shape: tokens, token_logprobs, top_logprobs (the top N plus the chosen token,
-        as vLLM gives them), text_offset (into this choice's text)."""
-        decode = self.served.tokenizer.decode
-        tokens = [decode([t]) for t in ids]
-        offsets = []
-        for t in tokens:
+        as vLLM gives them), text_offset (into this choice's text, which has `offset` characters before these
+        tokens). Each token's text is what it adds to the tokens before it (`left`, then the ones before it
+        here): a sentencepiece `▁+` after `a` is ` +`, so the tokens join to the choice's text."""
+        tokenizer = self.served.tokenizer
+        special = set(tokenizer.all_special_ids)
+        tokens, offsets, tops = [], [], []
+        for t, e in zip(ids, entries, strict=True):
+            tokens.append(token_text(tokenizer, left, t))
             offsets.append(offset)
-            offset += len(t)
-        tops = []
-        for t, e in zip(tokens, entries, strict=True):
-            tops.append(None if e is None else {decode([i]): lp for i, lp in e.top} | {t: e.logprob})
+            offset += 0 if t in special else len(tokens[-1])  # the text skips a special token (<s>)
+            tops.append(None if e is None else {token_text(tokenizer, left, i): lp for i, lp in e.top}
+                        | {tokens[-1]: e.logprob})
+            left = [*left[1 - CONTEXT:], t]
         return {"tokens": tokens, "token_logprobs": [None if e is None else e.logprob for e in entries],
                 "top_logprobs": tops, "text_offset": offsets}
 
     def start(self, cid: str, rows: list[Row]) -> list[dict]:
+        self.rows = rows
         if not self.echo:
             return []
         return [self._object(cid, [self._choice(i, p, None)]) for i, p in enumerate(self.prompts)]
@@ -268,7 +276,14 @@ class Completions:
 
     def _flush(self, index: int) -> dict | None:
         entries = self.pending.pop(index, [])
-        return self._logprobs([e.id for e in entries], entries) if entries else None
+        if not entries:
+            return None
+        ids = [e.id for e in entries]
+        out = self._logprobs(list(self.left.get(index, self.rows[index].ids)), ids, entries,
+                             self.offset.get(index, len(self.prompts[index]) if self.echo else 0))
+        self.left[index] = [*self.left.get(index, self.rows[index].ids), *ids][-CONTEXT:]
+        self.offset[index] = out["text_offset"][-1] + len(out["tokens"][-1])
+        return out
 
     def finish(self, cid: str, index: int, result: Result) -> list[dict]:
         return [self._object(cid, [self._choice(index, "", result.finish_reason, self._flush(index))])]
@@ -290,20 +305,25 @@ class Chat(Completions):
         super().__init__(served, [], False, logprobs, usage)
         self.n = n
 
-    def _content(self, entries: list[TokenLogprob]) -> dict:
-        decode = self.served.tokenizer.decode
+    def _content(self, left: list[int], entries: list[TokenLogprob]) -> dict:
+        """OpenAI's chat shape; each token's text is what it adds to the tokens before it (`left`, then the
+        ones before it here), as in Completions._logprobs."""
+        tokenizer = self.served.tokenizer
 
         def token(i: int, lp: float) -> dict:
-            text = decode([i])
-            return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+            s = token_text(tokenizer, left, i)
+            return {"token": s, "logprob": lp, "bytes": list(s.encode())}
 
-        return {"content": [token(e.id, e.logprob) | {"top_logprobs": [token(i, lp) for i, lp in e.top]}
-                            for e in entries]}
+        content = []
+        for e in entries:
+            content.append(token(e.id, e.logprob) | {"top_logprobs": [token(i, lp) for i, lp in e.top]})
+            left = [*left[1 - CONTEXT:], e.id]
+        return {"content": content}
 
     def body(self, cid: str, rows: list[Row], results: list[Result], prompt_tokens: int) -> dict:
         choices = [{"index": i, "message": {"role": "assistant", "content": r.text},
-                    "logprobs": self._content(list(r.logprobs)) if self.logprobs is not None else None,
-                    "finish_reason": r.finish_reason} for i, r in enumerate(results)]
+                    "logprobs": self._content(list(row.ids), list(r.logprobs)) if self.logprobs is not None else None,
+                    "finish_reason": r.finish_reason} for i, (row, r) in enumerate(zip(rows, results, strict=True))]
         return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": self.served.model_id,
                 "choices": choices, "usage": usage_of(prompt_tokens, results)}
 
@@ -313,10 +333,14 @@ class Chat(Completions):
         return out | ({"usage": usage} if usage is not None else {})
 
     def _delta(self, index: int, delta: dict, reason: str | None, entries: list[TokenLogprob] | None) -> dict:
-        return {"index": index, "delta": delta, "logprobs": self._content(entries) if entries else None,
-                "finish_reason": reason}
+        logprobs = None
+        if entries:
+            logprobs = self._content(list(self.left.get(index, self.rows[index].ids)), entries)
+            self.left[index] = [*self.left.get(index, self.rows[index].ids), *(e.id for e in entries)][-CONTEXT:]
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
 
     def start(self, cid: str, rows: list[Row]) -> list[dict]:
+        self.rows = rows
         return [self._chunk(cid, [self._delta(i, {"role": "assistant", "content": ""}, None, None)])
                 for i in range(len(rows))]
 

@@ -31,6 +31,7 @@ from autotp.serve.api.boundary import (
     stop_strings,
     validate,
 )
+from autotp.serve.engine.text import CONTEXT, token_text
 from autotp.serve.types import Piece, Result, Row, TokenLogprob
 
 TGI_PATHS = frozenset({"/generate", "/generate_stream", "/"})
@@ -143,30 +144,38 @@ class Generation:
         self.prefill, self.top_n, self.sampled, self.seed, self.compat = prefill, top_n, sampled, seed, compat
         self.pending: list[Piece] = []
         self.sent = 0  # token events so far: each event's index
+        self.left: list[int] = []  # the streamed tokens' left context: the prompt's last tokens, then theirs
 
     def _text(self, result: Result) -> str:
         text = result.text + result.stopped_by
         return self.inputs + text if self.full_text else text
 
-    def _token(self, entry: TokenLogprob, special: bool | None = None) -> dict:
-        out = {"id": entry.id, "text": self.served.tokenizer.decode([entry.id]), "logprob": entry.logprob}
+    def _token(self, entry: TokenLogprob, special: bool | None = None, left: list[int] | None = None) -> dict:
+        """A token of `details`: a generated one's text is what it adds after `left` (TGI's decode_token,
+        with prefix_offset/read_offset), a prompt token's its own decode (as TGI's prefill)."""
+        text = self.served.tokenizer.decode([entry.id]) if left is None else token_text(self.served.tokenizer, left,
+                                                                                      entry.id)
+        out = {"id": entry.id, "text": text, "logprob": entry.logprob}
         return out if special is None else out | {"special": special}
 
-    def _top(self, entry: TokenLogprob, specials: set[int]) -> list[dict]:
-        return [{"id": i, "text": self.served.tokenizer.decode([i]), "logprob": lp, "special": i in specials}
+    def _top(self, entry: TokenLogprob, specials: set[int], left: list[int]) -> list[dict]:
+        return [{"id": i, "text": token_text(self.served.tokenizer, left, i), "logprob": lp, "special": i in specials}
                 for i, lp in entry.top]
 
     def _details(self, row: Row, result: Result) -> dict:
         reason = "stop_sequence" if result.stopped_by else FINISH[result.finish_reason]
         specials = set(self.served.tokenizer.all_special_ids)
+        ids = list(row.ids) + [e.id for e in result.logprobs]
+        lefts = [ids[max(0, j - CONTEXT):j] for j in range(len(row.ids), len(ids))]  # each generated token's
         out = {"finish_reason": reason, "generated_tokens": result.completion_tokens,
                "seed": self.seed if self.sampled else None,
-               "prefill": [], "tokens": [self._token(e, e.id in specials) for e in result.logprobs]}
+               "prefill": [], "tokens": [self._token(e, e.id in specials, left)
+                                         for e, left in zip(result.logprobs, lefts, strict=True)]}
         if self.prefill:
             first = {"id": row.ids[0], "text": self.served.tokenizer.decode([row.ids[0]]), "logprob": None}
             out["prefill"] = [first] + [self._token(e) for e in result.prompt_logprobs[1:]]
         if self.top_n:
-            out["top_tokens"] = [self._top(e, specials) for e in result.logprobs]
+            out["top_tokens"] = [self._top(e, specials, left) for e, left in zip(result.logprobs, lefts, strict=True)]
         return out
 
     def body(self, cid: str, rows: list[Row], results: list[Result], prompt_tokens: int) -> dict | list:
@@ -180,6 +189,7 @@ class Generation:
 
     def start(self, cid: str, rows: list[Row]) -> list[dict]:
         self.row = rows[0]
+        self.left = list(self.row.ids[-CONTEXT:])
         return []
 
     def piece(self, cid: str, index: int, piece: Piece) -> list[dict]:
@@ -213,7 +223,8 @@ class Generation:
                                                    "special": piece.special},
                      "generated_text": None, "details": None}
             if self.top_n and entry is not None:
-                event["top_tokens"] = self._top(entry, set(self.served.tokenizer.all_special_ids))
+                event["top_tokens"] = self._top(entry, set(self.served.tokenizer.all_special_ids), self.left)
+            self.left = [*self.left[1 - CONTEXT:], piece.id]
             if last:
                 event["generated_text"] = self._text(result)
                 if self.details:

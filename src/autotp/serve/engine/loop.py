@@ -121,6 +121,7 @@ class Engine:
         self.error = ""  # how this rank's last step failed, sent with the next step
         self.failed: list[tuple[Job, str]] = []  # answered 500 once the next step reached every rank
         self.forwards = 0  # steps that ran a forward, numbered as every rank numbers them (watchdog.py)
+        self.doing = "starting"  # what the ranks do now, for the line that says a rank died
         self.watch = Watch(0, distributed.world_size(), channel.tag())
         self.watchdog = StepWatchdog(self.watch, self._lost)
         self.flushes: queue.Queue[Future] = queue.Queue()  # POST /flush_cache, answered between two steps
@@ -191,7 +192,7 @@ class Engine:
             self._answer_failed()
             return 0
         except Exception as e:  # noqa: BLE001 - a rank died or a collective failed: lockstep is lost
-            self._lost(describe(e))
+            self._lost(self.watch.died(e, self.doing) or describe(e))
             return 1
         finally:
             self._refuse_queued()
@@ -232,6 +233,7 @@ class Engine:
         """One iteration: plan, send, run, sample. An idle one sends a heartbeat after up to HEARTBEAT_S."""
         self._intake(block=not self.active)
         step = self._plan()
+        self.doing = f"receiving step {self.forwards + 1} from rank 0"
         self.channel.send(step)
         self._answer_failed()
         self.batch.apply(step)
@@ -241,11 +243,14 @@ class Engine:
         if not step.runs:
             return
         self.forwards += 1
+        self.doing = f"running the forward of step {self.forwards} ({len(self.active)} rows)"
         self.watchdog.begin(self.forwards)
         try:
             scores = self.batch.run(step)
         except Exception as e:  # noqa: BLE001 - the next step tells every rank; they must have failed alike
             self.watchdog.end()
+            if self.watch.died(e, self.doing):  # no rank is left to compare with: run() says which one died
+                raise
             self.watch.failed(self.forwards, describe(e))
             if not self.watch.alike(self.forwards):  # a rank that did not fail waits in a collective
                 raise RuntimeError(f"rank 0's forward failed and another rank's did not: {describe(e)}") from e

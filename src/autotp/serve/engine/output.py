@@ -16,7 +16,7 @@ import torch
 
 from autotp.sampler import RowSampler, SampleError
 from autotp.serve.api.metrics import Metrics
-from autotp.serve.engine.text import Detokenizer, cut_at_stop, decode, first_stop
+from autotp.serve.engine.text import Detokenizer, added_text, cut_at_stop, first_stop
 from autotp.serve.types import Piece, Result, TokenLogprob, log
 
 
@@ -186,7 +186,7 @@ class Output:
             text = stopped_by = ""
             if watched:
                 if a.text is None:
-                    a.text = Detokenizer(self.tokenizer)
+                    a.text = Detokenizer(self.tokenizer, row.ids)  # the prompt is its left context
                 checked = len(a.text.text)
                 text = a.text.add(token)
                 stopped_by = first_stop(text, row.stop, checked) if row.stop else ""
@@ -197,7 +197,8 @@ class Output:
             else:
                 a.next, reason = token, ""
             if reason:
-                text = cut_at_stop(a.text.final() if watched else decode(self.tokenizer, a.tokens), row.stop)[0]
+                text = a.text.final() if watched else added_text(self.tokenizer, row.ids, a.tokens)
+                text = cut_at_stop(text, row.stop)[0]
             if job.stream is not None:
                 delta = job.stream.delta(text, final=bool(reason))
                 job.emit(("token", job.index, Piece(token, delta, token in self.special, logprob)))

@@ -1,42 +1,77 @@
-"""Tokens to the text a client gets: decoding, stop strings, and streamed deltas that never need taking back."""
+"""Tokens to the text a client gets: decoding, stop strings, and streamed deltas that never need taking back.
+
+A completion's text is what its tokens add to its prompt's: decode(prompt + completion) less decode(prompt),
+so that the prompt's text and the completion's join to the two decoded together (vLLM's and TGI's incremental
+detokenizers, `prefix_offset`/`read_offset`). Decoded alone, a sentencepiece completion (Llama-2, CodeLlama,
+Mistral: words as `▁word`, a decoder that strips one leading space) loses its first space: `x = a` and `▁+`
+would give `+`, and an editor glues `a+`. Only the prompt's last CONTEXT tokens are decoded with it: what a
+decoder does across a token boundary (a leading space, a character split over byte tokens, clean-up of
+` n't`) reaches no further back.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 
-def decode(tokenizer, tokens: list[int]) -> str:
-    """The completion text as `autotp generate --json` writes it."""
-    return tokenizer.decode(tokens, skip_special_tokens=True)
+CONTEXT = 5  # prompt tokens decoded as a completion's left context (vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET)
+
+
+def decode(tokenizer, tokens: Sequence[int]) -> str:
+    """Tokens as text, special tokens skipped (`autotp generate --json` writes a completion this way)."""
+    return tokenizer.decode(list(tokens), skip_special_tokens=True)
+
+
+def added_text(tokenizer, left: Sequence[int], tokens: Sequence[int]) -> str:
+    """The text `tokens` add after `left`: decode(left + tokens) less decode(left), decoding only the last
+    CONTEXT tokens of `left`. Where the decoder rewrites the left text itself (no prefix: clean-up of a
+    trailing space), the tokens decoded alone."""
+    left = list(left[len(left) - CONTEXT:]) if len(left) > CONTEXT else list(left)
+    before, after = decode(tokenizer, left), decode(tokenizer, left + list(tokens))
+    return after[len(before):] if after.startswith(before) else decode(tokenizer, tokens)
+
+
+def token_text(tokenizer, left: Sequence[int], token: int) -> str:
+    """One token's text in a log-probability list: what it adds after `left` (so a sentencepiece `▁+` after
+    `a` is ` +`, and the tokens join to the text); a special token, which the text skips, and a part of a
+    character (a byte token) by their own decode."""
+    text = added_text(tokenizer, left, [token]) if token not in tokenizer.all_special_ids else ""
+    return text if text and "\ufffd" not in text else tokenizer.decode([token])
 
 
 class Detokenizer:
     """A row's completion text, decoded incrementally (vLLM's incremental detokenizer; tokenizers'
     DecodeStream does the same): each new token decodes a window of a few tokens, not the whole completion.
 
-    The window starts at `prefix`, a token boundary already decoded; the text the tokens from `read` on add
-    is decode(tokens[prefix:]) less decode(tokens[prefix:read]), so what a tokenizer does across token
-    boundaries (a sentencepiece word's leading space, byte-level characters split over tokens) is decoded
-    with its left context. A trailing U+FFFD (a character whose bytes are not all generated yet) waits for
-    the next token. `text` equals `decode(tokenizer, tokens)` whenever nothing waits (tested on the
-    served tokenizers); `final` decodes the whole completion once, the answer's text."""
+    The window starts at `prefix`, a token boundary already decoded (at first the last CONTEXT tokens of the
+    prompt, the completion's left context); the text the tokens from `read` on add is decode(tokens[prefix:])
+    less decode(tokens[prefix:read]), so what a tokenizer does across token boundaries (a sentencepiece
+    word's leading space, byte-level characters split over tokens) is decoded with its left context. A
+    trailing U+FFFD (a character whose bytes are not all generated yet) waits for the next token. `text`
+    equals `added_text(tokenizer, prompt, completion)` whenever nothing waits and the decoder never took back
+    text it had given (tested on the served tokenizers); `final` decodes the whole completion once, the
+    answer's text."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, prompt: Sequence[int] = ()):
         self.tokenizer = tokenizer
-        self.tokens: list[int] = []
+        self.tokens: list[int] = list(prompt[len(prompt) - CONTEXT:]) if len(prompt) > CONTEXT else list(prompt)
+        self.start = len(self.tokens)  # the completion's first token
         self.text = ""
-        self.prefix = self.read = 0
+        self.prefix, self.read = 0, self.start
 
     def add(self, token: int) -> str:
         """The text so far, with this token's part unless it waits for the next one."""
         self.tokens.append(token)
         before = decode(self.tokenizer, self.tokens[self.prefix:self.read])
         after = decode(self.tokenizer, self.tokens[self.prefix:])
-        if len(after) > len(before) and not after.endswith("\ufffd") and after.startswith(before):
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            # after starts with before, unless byte fallback rewrote a byte token already shown (`e` then 0xBE:
+            # both become U+FFFD); the text never takes back what it showed, so it goes on from there (vLLM)
             self.text += after[len(before):]
             self.prefix, self.read = self.read, len(self.tokens)
         return self.text
 
     def final(self) -> str:
-        return decode(self.tokenizer, self.tokens)
+        return added_text(self.tokenizer, self.tokens[:self.start], self.tokens[self.start:])
 
 
 def cut_at_stop(text: str, stop: tuple[str, ...]) -> tuple[str, bool]:

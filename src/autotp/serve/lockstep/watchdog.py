@@ -18,15 +18,28 @@ only by a rank whose forward raised.
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch.distributed as dist
+
+from autotp.distributed import peer_lost
+from autotp.parallel.shm import PeerGone
 
 GRACE_S = 5.0  # ranks that fail alike fail within milliseconds of each other: a second rank's note comes sooner
 POLL_S = 0.25
 PREFIX = "autotp/serve/failed"
+
+
+def gone(pid: int) -> bool:
+    """Whether a process of this host has exited (a zombie its parent has not reaped yet included)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
 
 
 class Watch:
@@ -37,6 +50,30 @@ class Watch:
     def __init__(self, rank: int, tp: int, tag: str):
         self.rank, self.tp, self.tag = rank, tp, tag
         self.store = dist.distributed_c10d._get_default_store() if tp > 1 else None
+        if self.store is not None:  # so that rank 0 can name a rank that died where gloo's error does not
+            self.store.set(f"{PREFIX}/{tag}/pid/{rank}", f"{socket.gethostname()} {os.getpid()}")
+
+    def died(self, e: BaseException, doing: str) -> str | None:
+        """One line for a failure that is another rank's exit, naming it and what the ranks were `doing`; None
+        for any other failure. A shared-memory collective names the rank; gloo's "Connection reset by peer"
+        does not, so the ranks on this host whose process is gone are looked up."""
+        seen = e
+        while seen is not None:
+            if isinstance(seen, PeerGone):
+                return f"rank {seen.rank} (pid {seen.pid}) exited while the ranks were {doing}"
+            seen = seen.__cause__ or seen.__context__
+        if not peer_lost(e):
+            return None
+        dead = []
+        try:
+            for r in range(self.tp):
+                host, pid = self.store.get(f"{PREFIX}/{self.tag}/pid/{r}").decode().split()
+                if r != self.rank and host == socket.gethostname() and gone(int(pid)):
+                    dead.append(f"rank {r} (pid {pid})")
+        except Exception:  # noqa: BLE001 - the store went with the ranks: say what the collective said
+            dead = []
+        who = " and ".join(dead) + (" exited" if dead else "a rank exited (on another host, or its pid unknown)")
+        return f"{who} while the ranks were {doing}: {type(e).__name__}: {e}".splitlines()[0][:300]
 
     def _key(self, step: int, rank: int) -> str:
         return f"{PREFIX}/{self.tag}/{step}/{rank}"
