@@ -1,0 +1,173 @@
+"""autotp's CUDA path on a CPU build, under tests/cuda_emulation.py: tensors say cuda:0, CUDA's device rules hold
+on every op, NCCL's collectives are gloo's. `autotp generate` at tp 1 and 2 and a stretch of the serve engine
+(paged steps, speculation, log-probabilities, sampling) give CPU's tokens, and a CPU tensor let into the CUDA
+path is caught (the negative controls), so the emulation cannot go blind. It proves placement, not kernels:
+nothing here has run on a GPU (README, "What has run on a GPU")."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import pytest
+import torch
+from cuda_emulation import DeviceMismatch, Emulated, emulated_cuda, unavailable
+
+pytestmark = pytest.mark.skipif(unavailable() is not None, reason=f"no CUDA emulation: {unavailable()}")
+
+GENERATE = [
+    ["--prompt", "def add(a, b):", "--max-new-tokens", "8"],
+    ["--prompt", "def add(a, b):", "--max-new-tokens", "8", "--do-sample", "--seed", "7", "--temperature", "0.8",
+     "--top-p", "0.9", "--top-k", "20"],
+    ["--prompt", "def add(a, b):", "--max-new-tokens", "6", "--num-beams", "2"],
+]
+SOURCE = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef add(a, b):\n"
+
+
+def generated(argv: list[str], emulate: bool) -> str:
+    """`autotp generate ARGV --json` as the CLI runs it, on this rank (the process group is the caller's, kept):
+    rank 0's printed JSON, or "" on the other ranks."""
+    from autotp.cli import build_parser
+
+    args = build_parser().parse_args(["generate", *argv, "--json"] + ([] if emulate else ["--device", "cpu"]))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), emulated_cuda() if emulate else contextlib.nullcontext():
+        assert args.func(args) == 0
+    return out.getvalue()
+
+
+def test_the_rules_refuse_what_cuda_refuses():
+    with emulated_cuda() as rules:
+        x = torch.ones(3, device="cuda")
+        assert isinstance(x, Emulated) and x.is_cuda and x.device == torch.device("cuda", 0)
+        assert (x + torch.tensor(2.0)).tolist() == [3.0, 3.0, 3.0]  # a CPU scalar is allowed, as in PyTorch
+        assert x[torch.tensor([0, 2])].tolist() == [1.0, 1.0]  # CPU indices too (ATen moves them)
+        assert (x.cpu() + torch.ones(3)).device.type == "cpu"
+        with pytest.raises(DeviceMismatch, match="found at least two devices, cuda:0 and cpu"):
+            x + torch.ones(3)
+        with pytest.raises(DeviceMismatch):
+            torch.ones(2, 3) @ torch.ones(3, 2, device="cuda")
+        with pytest.raises(TypeError, match="can't convert cuda:0 device type tensor to numpy"):
+            x.numpy()
+        with pytest.raises(RuntimeError, match="Expected a 'cuda' device type for generator but found 'cpu'"):
+            torch.multinomial(x, 1, generator=torch.Generator().manual_seed(0))
+        assert torch.multinomial(x, 1, generator=torch.Generator(device="cuda").manual_seed(0)).is_cuda
+        before = dict(rules.syncs)
+        int(x.sum())
+        assert rules.syncs["aten::_local_scalar_dense"] == before.get("aten::_local_scalar_dense", 0) + 1
+    assert not torch.cuda.is_available()  # nothing stays patched
+
+
+def test_generate_at_tp_1_gives_cpus_tokens_on_emulated_cuda():
+    for argv in GENERATE:
+        assert generated(argv, emulate=True) == generated(argv, emulate=False), argv
+
+
+def test_a_cpu_tensor_in_the_cuda_forward_is_caught(monkeypatch):
+    # the negative control: a tensor made without device= on the way of every token must fail, as on a GPU
+    forward = torch.nn.LayerNorm.forward
+
+    def leaky(self, x):
+        out = forward(self, x)
+        return out + torch.zeros(out.shape[-1])
+
+    monkeypatch.setattr(torch.nn.LayerNorm, "forward", leaky)
+    with pytest.raises(DeviceMismatch, match="cuda:0 and cpu"):
+        generated(GENERATE[0], emulate=True)
+    generated(GENERATE[0], emulate=False)  # the same leak is harmless on CPU: only the rules catch it
+
+
+def test_generate_at_tp_2_gives_cpus_tokens_on_emulated_cuda(pools):
+    argv = GENERATE[1]  # sampled: every rank draws with its own CUDA generator, seeded alike
+    cpu = pools(2).run(generated, argv, False, timeout=120)
+    assert pools(2).run(generated, argv, True, timeout=120) == cpu and cpu[0] and cpu[1] == ""
+
+
+def engine_events(emulate: bool, speculate: int = 4, leak: bool = False) -> list | None:
+    """A stretch of `autotp serve`'s engine on the demo model, on this rank: greedy rows with log-probabilities
+    (and a prompt's), sampled rows with top-p and top-k, one streamed, a row joining midway, drafts from a prompt
+    that repeats itself. Rank 0's end events and streamed texts (None on the others). leak: the first layer's
+    key pool is a CPU tensor (a pool made without device=)."""
+    from engine_driver import job
+    from transformers import AutoTokenizer
+
+    import autotp
+    from autotp import distributed
+    from autotp.cli import default_model
+    from autotp.serve.planner import Limits
+
+    with emulated_cuda() if emulate else contextlib.nullcontext():
+        model = autotp.from_pretrained(default_model(), device=None if emulate else "cpu", check_inputs=False)
+        assert model.device.type == ("cuda" if emulate else "cpu")
+        tokenizer = AutoTokenizer.from_pretrained(default_model())
+        prompt = tokenizer(SOURCE).input_ids
+
+        def arrivals() -> dict:
+            return {0: [job(prompt, 12, index=0, logprobs=2),
+                        job(prompt[:5], 10, temperature=0.8, seed=3, top_p=0.9, index=1, stream=True)],
+                    2: [job(prompt, 6, index=2, logprobs=1, prompt_logprobs=True),
+                        job([5, 6, 7], 8, temperature=1.0, top_k=5, seed=1, index=3)]}
+
+        from autotp.serve import paged
+
+        if leak:
+            made = paged.KvPool.__init__
+
+            def cpu_first_layer(self, *args, **kwargs):
+                made(self, *args, **kwargs)
+                self.keys[0] = self.keys[0].cpu()
+
+        with pytest.MonkeyPatch.context() as m:
+            if leak:
+                m.setattr(paged.KvPool, "__init__", cpu_first_layer)
+            ended = run(model, tokenizer, arrivals, Limits(16, 2048, 4096), speculate)
+    if ended is None:
+        return None
+    assert distributed.rank() == 0
+    return [(e[0], e[2] if e[0] == "error" else (e[2].text, e[2].tokens, e[2].finish_reason), s) for e, s in ended] \
+        + [[(lp.id, lp.logprob) for lp in e[2].logprobs + e[2].prompt_logprobs if lp is not None]
+           for e, _ in ended if e[0] == "done"]
+
+
+def same_events(got: list, want: list) -> bool:
+    """Tokens, texts and ends equal; log-probabilities within 1e-4: an all-reduce through gloo (NCCL's stand-in)
+    sums in another order than CPU's shared-memory one."""
+    tokens = len(want) // 2
+    return got[:tokens] == want[:tokens] and len(got) == len(want) and all(
+        [t for t, _ in g] == [t for t, _ in w] and [x for _, x in g] == pytest.approx([x for _, x in w], abs=1e-4)
+        for g, w in zip(got[tokens:], want[tokens:], strict=True))
+
+
+def run(model, tokenizer, arrivals, limits, speculate: int) -> list | None:
+    """engine_driver's run_on_ranks, or at tp 1 (no process group) its engine in this process."""
+    import torch.distributed as dist
+    from engine_driver import drive, engine_for
+
+    if dist.is_initialized():
+        from engine_driver import run_on_ranks
+
+        return run_on_ranks(model, tokenizer, arrivals, limits, speculate=speculate)
+    engine, jobs = engine_for(model, tokenizer, limits, block_size=4, speculate=speculate), arrivals()
+    with torch.inference_mode():
+        drive(engine, jobs)
+    return [(j.emit.ended, j.emit.streamed) for js in jobs.values() for j in js]
+
+
+def test_the_serve_engine_at_tp_1_gives_cpus_tokens_on_emulated_cuda():
+    cpu = engine_events(emulate=False)
+    assert all(e[0] == "done" for e in cpu[:4])
+    assert same_events(engine_events(emulate=True), cpu)
+
+
+def test_a_cpu_kv_pool_is_caught_by_the_engine():
+    # the negative control of the engine: the step fails its rows (500), as the same mistake would on a GPU
+    events = engine_events(emulate=True, leak=True)
+    assert [e[0] for e in events[:4]] == ["error"] * 4
+    assert "cuda:0 and cpu" in str(events[0][1])
+
+
+def test_the_serve_engine_at_tp_2_gives_cpus_tokens_on_emulated_cuda(pools):
+    cpu = pools(2).run(engine_events, False, timeout=120)
+    assert cpu[1] is None and all(e[0] == "done" for e in cpu[0][:4])
+    cuda = pools(2).run(engine_events, True, timeout=120)
+    assert cuda[1] is None and same_events(cuda[0], cpu[0])
