@@ -284,9 +284,9 @@ def _on_device(make):
 
 
 @contextlib.contextmanager
-def emulated_cuda():
-    """Inside: torch in this thread behaves as a CUDA build with one GPU (see the module). Yields the rules,
-    whose `syncs` count host syncs on cuda tensors by kind."""
+def emulated_cuda(capability: tuple[int, int] = (8, 0), name: str = "emulated CUDA device"):
+    """Inside: torch in this thread behaves as a CUDA build with one GPU of this compute capability (see the
+    module). Yields the rules, whose `syncs` count host syncs on cuda tensors by kind."""
     build_guard()
     nccl_groups: set[str] = set()
     rules = CudaRules(nccl_groups)
@@ -309,8 +309,9 @@ def emulated_cuda():
         return "nccl" if group is not None and group.group_name in nccl_groups else get_backend(group)
 
     # each rank its own GPU: a launcher that sets CUDA_VISIBLE_DEVICES per rank (every rank's is cuda:0)
-    props = SimpleNamespace(name="emulated CUDA device", uuid=f"GPU-emulated-rank-{os.environ.get('RANK', '0')}",
-                            total_memory=MEMORY.total, major=8, minor=0, multi_processor_count=108)
+    props = SimpleNamespace(name=name, uuid=f"GPU-emulated-rank-{os.environ.get('RANK', '0')}",
+                            total_memory=MEMORY.total, major=capability[0], minor=capability[1],
+                            multi_processor_count=108)
     patches = {
         (torch.cuda, "_lazy_init"): lambda: None,
         (torch.cuda, "is_available"): lambda: True,

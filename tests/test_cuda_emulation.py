@@ -171,3 +171,29 @@ def test_the_serve_engine_at_tp_2_gives_cpus_tokens_on_emulated_cuda(pools):
     assert cpu[1] is None and all(e[0] == "done" for e in cpu[0][:4])
     cuda = pools(2).run(engine_events, True, timeout=120)
     assert cuda[1] is None and same_events(cuda[0], cpu[0])
+
+
+def test_int8_takes_its_cuda_branch_and_gives_the_same_arithmetics_tokens(monkeypatch):
+    """--quantize int8 on CUDA dequantizes into the matmul (weights.py): its tokens are CPU's when CPU does the
+    same arithmetic (the dequantizing path at every row count); the CUDA branch ran (no int8 kernel call)."""
+    from autotp.quant import weights
+
+    argv = ["--prompt", "def add(a, b):", "--max-new-tokens", "8", "--quantize", "int8"]
+    monkeypatch.setattr(weights, "INT8_DEQUANT_ROWS", 0)
+    cpu = generated(argv, emulate=False)
+    monkeypatch.setattr(weights, "INT8_DEQUANT_ROWS", 10**9)  # a CPU branch taken on "cuda" would call the kernel
+    monkeypatch.setattr(torch, "_weight_int8pack_mm", None)
+    assert generated(argv, emulate=True) == cpu
+
+
+def test_int4_on_an_emulated_older_gpu_is_refused_before_loading():
+    from autotp import errors
+
+    argv = ["--prompt", "def add(a, b):", "--max-new-tokens", "8", "--quantize", "int4", "--group-size", "32",
+            "--dtype", "bfloat16"]
+    with emulated_cuda(capability=(7, 5), name="Tesla T4"), pytest.raises(
+            errors.AutotpError, match="needs a GPU of compute capability 8.0 or newer .*; Tesla T4 is 7.5"):
+        from autotp.cli import build_parser
+
+        args = build_parser().parse_args(["generate", *argv])
+        args.func(args)
