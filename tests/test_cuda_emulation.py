@@ -197,3 +197,43 @@ def test_int4_on_an_emulated_older_gpu_is_refused_before_loading():
 
         args = build_parser().parse_args(["generate", *argv])
         args.func(args)
+
+
+def test_sampling_a_step_waits_for_the_device_once():
+    """Rank 0's sampling of a step (output.take): one host sync for all its plain rows, greedy and seeded alike
+    (it was 2 + 2 per sampled row: 8 here), and one per row that ran a draft (it was 2 + 2 per column drawn
+    for a seeded row), counted as the emulation sees them: every .tolist(), .item() and copy to the host of a
+    cuda tensor."""
+    from engine_driver import drive, engine_for, job
+    from transformers import AutoTokenizer
+
+    import autotp
+    from autotp.cli import default_model
+
+    with emulated_cuda() as rules:
+        model = autotp.from_pretrained(default_model(), check_inputs=False)
+        tokenizer = AutoTokenizer.from_pretrained(default_model())
+        prompt = tokenizer(SOURCE).input_ids
+        plain = [job(prompt[:9], 6, index=0), job(prompt[:7], 6, temperature=0.8, seed=1, index=1),
+                 job(prompt[:8], 6, temperature=1.0, top_k=5, top_p=0.9, seed=2, index=2),
+                 job(prompt[:6], 6, temperature=0.5, seed=3, index=3)]
+        drafting = [job(prompt, 16, index=4), job(prompt, 16, temperature=0.1, seed=4, index=5)]
+        counts = {}
+        for speculate, rows in ((0, plain), (4, drafting)):
+            engine = engine_for(model, tokenizer, speculate=speculate)
+            take, steps = engine.output.take, []
+
+            def counted(scores, take=take, steps=steps):
+                before = sum(rules.syncs.values())
+                kept = take(scores)
+                steps.append((len(scores.spans), sum(rules.syncs.values()) - before, len(kept)))
+                return kept
+
+            engine.output.take = counted
+            with torch.inference_mode():
+                drive(engine, {0: rows})
+            assert all(r.emit.ended[0] == "done" for r in rows)
+            counts[speculate] = steps
+    assert counts[0] == [(4, 1, 0)] * 6, counts[0]
+    drafted = [(spans, syncs, kept) for spans, syncs, kept in counts[4] if kept]
+    assert drafted and all(syncs == kept + (spans > kept) for spans, syncs, kept in drafted), counts[4]
