@@ -237,3 +237,30 @@ def test_sampling_a_step_waits_for_the_device_once():
     assert counts[0] == [(4, 1, 0)] * 6, counts[0]
     drafted = [(spans, syncs, kept) for spans, syncs, kept in counts[4] if kept]
     assert drafted and all(syncs == kept + (spans > kept) for spans, syncs, kept in drafted), counts[4]
+
+
+def test_the_kv_cache_on_cuda_leaves_the_largest_steps_activations_and_what_is_in_use(capsys):
+    """vLLM's --gpu-memory-utilization rule on an emulated 80 GiB GPU with 20 GiB in use after loading and a
+    1 GiB activation peak (the emulation's figures): 0.9 x 80 - 20 - 1 = 51 GiB may hold the cache; the demo model
+    needs far less for 16 full-context rows, and the start-up line says which rule sized it."""
+    from cuda_emulation import MEMORY
+
+    import autotp
+    from autotp import distributed
+    from autotp.cli import default_model
+    from autotp.serve import budget, server
+    from autotp.serve.wire import Channel
+
+    with emulated_cuda():
+        assert budget.free_bytes(torch.device("cuda", 0), 0.9, 2**30) == int(0.9 * MEMORY.total) - (
+            MEMORY.total - MEMORY.free) - 2**30 == 51 * 2**30
+        assert budget.free_bytes(torch.device("cuda", 0), 0.2, 2**30) == 0  # 16 GiB allowed, 20 GiB in use
+        net = autotp.from_pretrained(default_model(), check_inputs=False)
+        assert budget.step_peak(net, 64) == MEMORY.peak - MEMORY.peak // 2
+        env, channel = distributed.init(), Channel()
+        opts = server.ServeOptions(max_num_seqs=16, max_num_batched_tokens=64)
+        parts = server._backend(net, channel, env, opts, max_model_len=256)
+    assert parts.limits.kv_tokens == 16 * 256
+    said = capsys.readouterr().err
+    assert "KV cache: 4096 tokens per rank" in said and ("sized by 16 sequences (--max-num-seqs) x 256 tokens of "
+                                                         "context, within 90% of the GPU's memory") in said, said
