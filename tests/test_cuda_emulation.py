@@ -264,3 +264,27 @@ def test_the_kv_cache_on_cuda_leaves_the_largest_steps_activations_and_what_is_i
     said = capsys.readouterr().err
     assert "KV cache: 4096 tokens per rank" in said and ("sized by 16 sequences (--max-num-seqs) x 256 tokens of "
                                                          "context, within 90% of the GPU's memory") in said, said
+
+
+def test_the_steps_host_sync_is_inside_the_watchdogs_window():
+    """On CUDA a forward only queues its kernels and collectives; the wait for them must fall between the
+    watchdog's begin and end, or a rank that dies mid-step leaves rank 0 waiting outside it for NCCL's timeout."""
+    from engine_driver import drive, engine_for, job
+    from transformers import AutoTokenizer
+
+    import autotp
+    from autotp.cli import default_model
+
+    events: list[str] = []
+    with emulated_cuda():
+        model = autotp.from_pretrained(default_model(), check_inputs=False)
+        engine = engine_for(model, AutoTokenizer.from_pretrained(default_model()))
+        begin, end, take = engine.watchdog.begin, engine.watchdog.end, engine.output.take
+        engine.watchdog.begin = lambda step: (events.append("begin"), begin(step))[1]
+        engine.watchdog.end = lambda: (events.append("end"), end())[1]
+        engine.output.take = lambda scores: (events.append("take"), take(scores))[1]
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(torch.cuda, "synchronize", lambda device=None: events.append("sync"))
+            with torch.inference_mode():
+                drive(engine, {0: [job([5, 6, 7], 4)]})
+    assert events == ["begin", "sync", "end", "take"] * 4, events
