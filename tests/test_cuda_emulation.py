@@ -288,3 +288,29 @@ def test_the_steps_host_sync_is_inside_the_watchdogs_window():
             with torch.inference_mode():
                 drive(engine, {0: [job([5, 6, 7], 4)]})
     assert events == ["begin", "sync", "end", "take"] * 4, events
+
+
+def test_the_gpu_benchmark_runs_its_eager_systems_under_the_emulation(monkeypatch, tmp_path, capsys):
+    """benchmarks/gpu_decode.py, prepared to run in one call on a GPU: its eager systems (plain HF, autotp's
+    sharded model, the serve engine's paged step) on a StarCoder-shaped model shrunk to run here. The compiled
+    one needs a real GPU (CUDA graphs; the compiler does not take the emulated tensors)."""
+    import json
+    import sys
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
+    import gpu_decode
+
+    monkeypatch.setattr(gpu_decode, "STARCODER_15B", gpu_decode.STARCODER_15B | dict(
+        n_embd=64, n_head=4, n_layer=2, n_inner=256, vocab_size=1000, n_positions=512))
+    monkeypatch.setattr(gpu_decode, "copy_bandwidth_gbs", lambda: 100.0)  # 4 GiB of copies on this host otherwise
+    monkeypatch.setattr(gpu_decode, "HERE", tmp_path)
+    monkeypatch.setattr(sys, "argv", ["gpu_decode.py", "--batch", "1", "2", "--new-tokens", "3", "--runs", "1",
+                                      "--prompt-len", "8", "--systems", "hf", "autotp", "engine"])
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with emulated_cuda():
+        gpu_decode.main()
+    result = json.loads((tmp_path / "results" / "gpu_decode.json").read_text())
+    assert [(r["system"], r["batch"]) for r in result["rows"]] == [
+        ("hf", 1), ("hf", 2), ("autotp", 1), ("autotp", 2), ("engine", 1), ("engine", 2)]
+    assert result["device"] == "emulated CUDA device" and "ms/token" in capsys.readouterr().out
