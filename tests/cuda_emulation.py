@@ -26,7 +26,9 @@ from types import SimpleNamespace
 from unittest import mock
 
 import torch
+import torch.cuda.nccl
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -65,6 +67,7 @@ def unavailable() -> str | None:
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         return "no C++ compiler to build the emulated CUDA device guard"
     for owner, name in ((torch.Tensor, "_make_wrapper_subclass"), (torch.cuda, "_lazy_init"),
+                        (dist.ProcessGroup, "unbox"), (c10d, "_get_object_coll_device"),
                         (torch.ops, "_c10d_functional"), (torch._C, "_disabled_torch_function_impl")):
         if not hasattr(owner, name):
             owner = getattr(owner, "__name__", owner)
@@ -211,14 +214,23 @@ class CudaRules(TorchDispatchMode):
         return tree_map(lambda o: _rewrap(o, wrappers, True), out)
 
     def _collective(self, func, name, args, kwargs, flat):
-        groups = [x for x in flat if isinstance(x, str) and x in self.nccl_groups]
-        groups += [x for x in flat if isinstance(x, dist.ProcessGroup) and x.group_name in self.nccl_groups]
+        groups = [x for x in flat if isinstance(x, str) and x in self.nccl_groups]  # functional collectives
+        groups += [x for x in map(_process_group, flat) if x is not None and x.group_name in self.nccl_groups]
         tensors = [x for x in flat if isinstance(x, torch.Tensor)]
         if groups and any(not isinstance(x, Emulated) for x in tensors):
             raise RuntimeError(f"No backend type associated with device type cpu ({name} on an NCCL group)")
         wrappers = {id(x.inner): x for x in tensors if isinstance(x, Emulated)}
         out = func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
         return tree_map(lambda o: _rewrap(o, wrappers, bool(groups)), out)
+
+
+def _process_group(x) -> dist.ProcessGroup | None:
+    """A c10d op's process group reaches the dispatcher as a TorchScript object."""
+    if isinstance(x, dist.ProcessGroup):
+        return x
+    if isinstance(x, torch.ScriptObject) and x._type().qualified_name().endswith("c10d.ProcessGroup"):
+        return dist.ProcessGroup.unbox(x)
+    return None
 
 
 def _rewrap(o, wrappers: dict, cuda: bool):
@@ -308,6 +320,11 @@ def emulated_cuda(capability: tuple[int, int] = (8, 0), name: str = "emulated CU
         group = group or dist.group.WORLD
         return "nccl" if group is not None and group.group_name in nccl_groups else get_backend(group)
 
+    object_device = c10d._get_object_coll_device
+
+    def object_collectives_device(group=None):  # NCCL's object collectives pickle into CUDA tensors
+        return "cuda" if backend_of(group) == "nccl" else object_device(group)
+
     # each rank its own GPU: a launcher that sets CUDA_VISIBLE_DEVICES per rank (every rank's is cuda:0)
     props = SimpleNamespace(name=name, uuid=f"GPU-emulated-rank-{os.environ.get('RANK', '0')}",
                             total_memory=MEMORY.total, major=capability[0], minor=capability[1],
@@ -327,6 +344,7 @@ def emulated_cuda(capability: tuple[int, int] = (8, 0), name: str = "emulated CU
         (torch.cuda, "memory_allocated"): lambda device=None: MEMORY.peak // 2,
         (torch.cuda, "reset_peak_memory_stats"): lambda device=None: None,
         (torch.cuda, "empty_cache"): lambda: None,
+        (torch.cuda.nccl, "version"): lambda: (2, 0, 0),  # c10d's logger asks when a collective raises
         (torch.cuda, "get_rng_state"): lambda device="cuda": rng["state"].clone(),
         (torch.cuda, "set_rng_state"): lambda state, device="cuda": rng.update(state=state.clone()),
         (torch, "Generator"): Generator,
@@ -337,6 +355,7 @@ def emulated_cuda(capability: tuple[int, int] = (8, 0), name: str = "emulated CU
         (dist, "init_process_group"): init,
         (dist, "new_group"): new,
         (dist, "get_backend"): backend_of,
+        (c10d, "_get_object_coll_device"): object_collectives_device,
     }
     with contextlib.ExitStack() as stack:
         for (owner, name), value in patches.items():

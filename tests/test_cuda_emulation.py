@@ -89,6 +89,29 @@ def test_generate_at_tp_2_gives_cpus_tokens_on_emulated_cuda(pools):
     assert pools(2).run(generated, argv, True, timeout=120) == cpu and cpu[0] and cpu[1] == ""
 
 
+def nccl_with_a_cpu_tensor() -> str:
+    """A pool task: under the emulation the pool's group is NCCL's stand-in; a CPU tensor in one of its collectives
+    must be refused as NCCL refuses it, and an emulated CUDA one carried (through gloo, on its CPU values)."""
+    import torch.distributed as dist
+
+    with emulated_cuda():
+        assert dist.get_backend() == "nccl"
+        x = torch.full((2,), float(dist.get_rank() + 1), device="cuda")
+        dist.all_reduce(x)
+        assert x.is_cuda and x.tolist() == [3.0, 3.0]
+        try:
+            dist.all_reduce(torch.ones(2))
+        except RuntimeError as e:
+            return str(e)
+    return "carried"
+
+
+def test_nccls_stand_in_refuses_a_cpu_tensor(pools):
+    # the negative control of the collectives: without it, tp 2 could pass CPU tensors through gloo unseen
+    said = "No backend type associated with device type cpu"
+    assert [s[:len(said)] for s in pools(2).run(nccl_with_a_cpu_tensor, timeout=60)] == [said, said]
+
+
 def engine_events(emulate: bool, speculate: int = 4, leak: bool = False) -> list | None:
     """A stretch of `autotp serve`'s engine on the demo model, on this rank: greedy rows with log-probabilities
     (and a prompt's), sampled rows with top-p and top-k, one streamed, a row joining midway, drafts from a prompt
