@@ -123,7 +123,7 @@ def engine_events(emulate: bool, speculate: int = 4, leak: bool = False) -> list
     import autotp
     from autotp import distributed
     from autotp.cli import default_model
-    from autotp.serve.planner import Limits
+    from autotp.serve.engine.planner import Limits
 
     with emulated_cuda() if emulate else contextlib.nullcontext():
         model = autotp.from_pretrained(default_model(), device=None if emulate else "cpu", check_inputs=False)
@@ -137,7 +137,7 @@ def engine_events(emulate: bool, speculate: int = 4, leak: bool = False) -> list
                     2: [job(prompt, 6, index=2, logprobs=1, prompt_logprobs=True),
                         job([5, 6, 7], 8, temperature=1.0, top_k=5, seed=1, index=3)]}
 
-        from autotp.serve import paged
+        from autotp.serve.runner import paged
 
         if leak:
             made = paged.KvPool.__init__
@@ -277,8 +277,9 @@ def test_the_kv_cache_on_cuda_leaves_the_largest_steps_activations_and_what_is_i
     import autotp
     from autotp import distributed
     from autotp.cli import default_model
-    from autotp.serve import budget, server
-    from autotp.serve.wire import Channel
+    from autotp.serve import server
+    from autotp.serve.lockstep.wire import Channel
+    from autotp.serve.runner import budget
 
     with emulated_cuda():
         assert budget.free_bytes(torch.device("cuda", 0), 0.9, 2**30) == int(0.9 * MEMORY.total) - (
