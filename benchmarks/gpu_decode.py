@@ -1,7 +1,7 @@
 """Decode ms/token on GPUs: plain HF, autotp, and `autotp serve`'s step eager and compiled, a
 StarCoder-15.5B-shaped random bf16 model.
 
-    python benchmarks/gpu_decode.py [--batch 1 16] [--new-tokens 32] [--runs 5]
+    python benchmarks/gpu_decode.py [--batch 1 16] [--new-tokens 32] [--runs 5] [--systems hf autotp engine compiled]
     torchrun --nproc-per-node 4 benchmarks/gpu_decode.py      # tp 4: autotp's systems only
 
 The model is built on each rank's GPU from its config with random weights (no checkpoint files, ~31 GB of
@@ -31,6 +31,9 @@ STARCODER_15B = dict(n_embd=6144, n_head=48, n_layer=40, n_inner=24576, vocab_si
                      multi_query=True, activation_function="gelu_pytorch_tanh", bos_token_id=0, eos_token_id=0)
 
 
+SYSTEMS = ("hf", "autotp", "engine", "compiled")
+
+
 def copy_bandwidth_gbs(mib: int = 2048, reps: int = 20) -> float:
     """Device-to-device copy bandwidth in GB/s; a copy reads and writes each byte, so 2 x size moves."""
     src = torch.empty(mib * 2**20, dtype=torch.uint8, device="cuda")
@@ -57,7 +60,7 @@ def decode_ms(model, batch: int, prompt_len: int, new_tokens: int, runs: int) ->
             torch.cuda.synchronize()
             start = time.perf_counter()
             for _ in range(new_tokens):
-                out = model(token, past_key_values=out.past_key_values, use_cache=True)
+                out = model(token, cache=out.past_key_values, use_cache=True)
                 token = out.logits[:, -1:].argmax(-1)
             torch.cuda.synchronize()
         if i:  # the first run is the warm-up (cuBLAS heuristics, allocator growth)
@@ -98,6 +101,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("gpu_decode.py needs a CUDA GPU and torch sees none (torch.cuda.is_available() is False); "
@@ -129,15 +133,17 @@ def main() -> None:
             print(f"{system:>8} tp {tp} batch {batch:>3}: {ms:7.2f} ms/token  (HBM floor {floor_ms:.2f} ms, "
                   f"{ms / floor_ms:.2f}x)", flush=True)
 
-    if tp == 1:
+    if tp == 1 and "hf" in args.systems:
         for batch in args.batch:
             report("hf", batch, decode_ms(model, batch, args.prompt_len, args.new_tokens, args.runs))
     model = autotp.init_inference(model, mp_size=tp, dtype=torch.bfloat16, device="cuda").module
-    for batch in args.batch:
-        report("autotp", batch, decode_ms(model, batch, args.prompt_len, args.new_tokens, args.runs))
+    if "autotp" in args.systems:
+        for batch in args.batch:
+            report("autotp", batch, decode_ms(model, batch, args.prompt_len, args.new_tokens, args.runs))
     limits = Limits(max(args.batch), 8192, max(args.batch) * (args.prompt_len + args.new_tokens + 32))
     paged, _ = backend(model, probe(model), limits, 16, False, rank0=False)
-    for system in ("engine", "compiled"):
+    warm = None
+    for system in [s for s in ("engine", "compiled") if s in args.systems]:
         if system == "compiled":
             warm = paged.compile()
             paged.use_graph()
@@ -148,7 +154,7 @@ def main() -> None:
     if rank != 0:
         return
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "tp": tp,
-              "compile_warm_up_s": round(warm, 1),
+              "compile_warm_up_s": None if warm is None else round(warm, 1),
               "copy_bandwidth_gbs": round(bandwidth, 1),
               "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "runs": args.runs, "rows": rows}
     write_json(HERE / "results" / f"gpu_decode{'' if tp == 1 else f'_tp{tp}'}.json", result)

@@ -1,9 +1,15 @@
 """Which GPU a rank takes, with the GPU count simulated: the logic runs on CPU; only a GPU can confirm that
 NCCL, object collectives and CUDA graphs then run on that device (see the note in distributed.py)."""
 
+import socket
+from types import SimpleNamespace
+from unittest import mock
+
 import pytest
 import torch
+import torch.distributed as dist
 
+from autotp import distributed
 from autotp.distributed import resolve_device, shared_gpus
 from autotp.errors import AutotpError
 
@@ -58,6 +64,35 @@ def test_the_users_group_and_the_requested_device_must_agree(gpus):
 
 def test_two_ranks_on_one_gpu_are_found():
     # device="cuda:0" passed on every rank of one host: ranks 0 and 1 clash; the other host is fine
-    placements = [("a", "cuda:0"), ("a", "cuda:0"), ("b", "cuda:0"), ("b", "cuda:1"), ("a", "cpu"), ("a", "cpu")]
+    placements = [("a", "cuda:0", "GPU-0"), ("a", "cuda:0", "GPU-0"), ("b", "cuda:0", "GPU-0"),
+                  ("b", "cuda:1", "GPU-1"), ("a", "cpu", "cpu"), ("a", "cpu", "cpu")]
     assert shared_gpus(placements) == [[0, 1]]
-    assert shared_gpus([("a", "cuda:0"), ("a", "cuda:1")]) == []
+    assert shared_gpus([("a", "cuda:0", "GPU-0"), ("a", "cuda:1", "GPU-1")]) == []
+
+
+def init_on_visible_gpu(uuids: list[str]) -> str:
+    """A pool task: autotp's own init(device="cuda") on a rank that sees one GPU (CUDA_VISIBLE_DEVICES set per
+    rank by the launcher), cuda:0, whose UUID is uuids[rank]. The device queries are patched; the placements
+    travel through the pool's real process group. Returns the device it got, or the error."""
+    props = SimpleNamespace(uuid=uuids[dist.get_rank()], name="emulated", total_memory=2**34)
+    with mock.patch.object(torch.cuda, "is_available", lambda: True), \
+            mock.patch.object(torch.cuda, "device_count", lambda: 1), \
+            mock.patch.object(torch.cuda, "set_device", lambda device: None), \
+            mock.patch.object(torch.cuda, "get_device_properties", lambda device=None: props):
+        try:
+            return str(distributed.init(device="cuda").device)
+        except AutotpError as e:
+            return str(e)
+
+
+def test_ranks_that_each_see_their_own_gpu_as_cuda_0_start(pools):
+    # SLURM --gpus-per-task=1: every rank is cuda:0, each of another GPU (the UUID nvidia-smi -L prints)
+    uuids = ["GPU-5e1d7a0c-0000-0000-0000-000000000000", "GPU-5e1d7a0c-1111-1111-1111-111111111111"]
+    assert pools(2).run(init_on_visible_gpu, uuids, timeout=60) == ["cuda:0", "cuda:0"]
+
+
+def test_two_ranks_on_one_physical_gpu_are_still_refused(pools):
+    # two ranks given the same GPU (a launcher's mistake): the same UUID on one host
+    uuid = "GPU-5e1d7a0c-0000-0000-0000-000000000000"
+    said = f"ranks 0, 1 all run on cuda:0 of {socket.gethostname()}: give each rank its own GPU"
+    assert [s[:len(said)] for s in pools(2).run(init_on_visible_gpu, [uuid, uuid], timeout=60)] == [said, said]

@@ -7,6 +7,8 @@ kernels take: gpt_bigcode multi-query and multi-head, llama (grouped-query, KV h
 and gpt2 (Conv1D, weights stored (in, out)).
 """
 
+import re
+
 import pytest
 import torch
 from checkpoints import widen
@@ -219,6 +221,39 @@ def test_quantize_arguments_of_the_wrong_type_are_refused_at_the_entry_points(en
             autotp.from_pretrained(default_model(), **kwargs)
         else:
             autotp.init_inference(AutoModelForCausalLM.from_pretrained(default_model()), **kwargs)
+
+
+def test_int4_on_a_torch_without_its_packing_ops_is_refused_before_loading(monkeypatch):
+    """torch 2.4 (what pyproject allows) has neither the _for_cpu int4 ops nor CUDA's uint8 packing: one line,
+    before any weight is read, from the user's own call."""
+    import autotp
+    from autotp.cli import default_model
+
+    monkeypatch.setattr(torch, "__version__", "2.4.1+cu121")
+    said = "--quantize int4 needs torch >= 2.5 (its int4 packing ops), this is torch 2.4.1+cu121: upgrade torch"
+    with pytest.raises(AutotpError, match=re.escape(said)):
+        check_kernel("int4", "cpu", torch.bfloat16)
+    with pytest.raises(AutotpError, match=re.escape(said)):
+        autotp.from_pretrained(default_model(), quantize="int4", group_size=32)
+    check_kernel("int8", "cpu", torch.bfloat16)  # int8 needs nothing new
+    monkeypatch.setattr(torch, "__version__", "2.5.0a0+git1234")  # a nightly of 2.5 has them
+    check_kernel("int4", "cpu", torch.bfloat16)
+
+
+def test_int4_on_a_gpu_older_than_ampere_is_refused_before_loading(monkeypatch):
+    """A T4 (compute capability 7.5), the GPU of many free notebooks: torch's int4 kernel needs 8.0."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    with pytest.raises(AutotpError, match=re.escape("--quantize int4 on CUDA needs a GPU of compute capability 8.0 "
+                                                    "or newer (torch's int4 kernel); Tesla T4 is 7.5: use --quantize "
+                                                    "int8")):
+        check_kernel("int4", "cuda", torch.bfloat16)
+    with pytest.raises(AutotpError, match="a GPTQ checkpoint on CUDA needs a GPU of compute capability 8.0"):
+        check_kernel("int4", "cuda", torch.bfloat16, "a GPTQ checkpoint")
+    check_kernel("int8", "cuda", torch.bfloat16)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # an A100
+    check_kernel("int4", "cuda", torch.bfloat16)
 
 
 def test_packing_in_chunks_of_64_rows_is_packing_whole():

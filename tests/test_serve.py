@@ -520,3 +520,35 @@ def test_serve_on_every_familys_checkpoint(tmp_path, family_checkpoint):
         assert result["text"] == result["streamed"] == expected, (name, result)
         if name == "bloom":
             assert "no context limit" in result["stderr"] and "tokens of the KV cache" in result["stderr"]
+
+
+def test_a_device_side_assert_ends_the_server_in_one_line(model_dir, capsys):
+    """An asynchronous CUDA error poisons the process's CUDA context: every later step would fail too, so "a row
+    that fails fails alone" cannot hold. The engine answers every request 503, says why in one line and returns 1
+    (`autotp serve` exits 1). On CPU the error is raised where CUDA raises it, at the step's host sync."""
+    import threading
+
+    import torch
+    from engine_driver import engine_for, job
+    from transformers import AutoTokenizer
+
+    import autotp
+
+    model = autotp.from_pretrained(model_dir, check_inputs=False)
+    engine = engine_for(model, AutoTokenizer.from_pretrained(model_dir))
+
+    def asserted(step):
+        raise torch.AcceleratorError("CUDA error: device-side assert triggered\nCUDA kernel errors might be ...")
+
+    engine.batch.run = asserted
+    jobs = [job([5, 6, 7], 4, index=0), job([8, 9], 4, index=1)]
+    engine.submit(jobs)
+    returned: list[int] = []
+    run = threading.Thread(target=lambda: returned.append(engine.run()), daemon=True)
+    run.start()
+    run.join(timeout=30)
+    assert returned == [1], "the engine went on stepping after its GPU was lost"
+    assert [j.emit.ended[2][0] for j in jobs] == [503, 503]
+    said = [line for line in capsys.readouterr().err.splitlines() if "failed" in line]
+    assert said == ["autotp serve: tensor-parallel ranks failed, shutting down: RuntimeError: the GPU can run nothing "
+                    "more, restart the server: AcceleratorError: CUDA error: device-side assert triggered"], said

@@ -36,7 +36,8 @@ def server(model_dir, tmp_path_factory):
 
 
 def test_the_budgets_are_announced(server):
-    assert re.search(r"KV cache: 96 tokens per rank \(24\.0 KiB at 256 bytes per token; 6 blocks of 16, prefix "
+    assert re.search(r"KV cache: 96 tokens per rank \(24\.0 KiB at 256 bytes per token, sized by --kv-cache-memory; "
+                     r"6 blocks of 16, prefix "
                      r"caching on, speculation up to 4 tokens\), less than the context of 128: longer requests "
                      r"are refused",
                      server.text()), \
@@ -100,3 +101,11 @@ def test_chat_without_a_chat_template_is_400(server):
     with pytest.raises(openai.BadRequestError, match="has no chat template: send the prompt to /v1/completions"):
         server.client.chat.completions.create(model=server.model_id, messages=[{"role": "user", "content": "hi"}],
                                               max_tokens=2)
+
+
+@pytest.mark.parametrize("value", ["0", "1.5", "90"])  # 90: a percentage where vLLM's flag takes a fraction
+def test_a_gpu_memory_utilization_outside_0_to_1_is_refused_in_one_line(value):
+    out = subprocess.run([sys.executable, "-m", "autotp", "serve", "--gpu-memory-utilization", value],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stderr.splitlines() == [
+        f"autotp: error: autotp serve: argument --gpu-memory-utilization: must be in (0, 1], got {float(value)}"]

@@ -63,6 +63,13 @@ def positive_float(text: str) -> float:
     return value
 
 
+def fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
 def name_list(text: str) -> list[str]:
     names = [t.strip() for t in text.split(",") if t.strip()]
     if not names:
@@ -193,6 +200,7 @@ def cmd_serve(args) -> int:
         raise AutotpError(f"{source} is empty: give a key, or leave it out to serve without one")
     opts = ServeOptions(host=args.host, port=args.port, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
+                        gpu_memory_utilization=args.gpu_memory_utilization,
                         max_queue=args.max_queue, max_model_len=args.max_model_len, tokenizer=args.tokenizer,
                         dtype=args.dtype,
                         device=args.device, quantize=args.quantize, group_size=args.group_size,
@@ -273,9 +281,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-num-batched-tokens", type=positive_int, default=2048,
                      help="tokens per step: one per decoding sequence plus the prefill chunk (default 2048)")
     srv.add_argument("--kv-cache-memory", type=byte_size,
-                     help="KV cache per rank, e.g. 4GiB (default: 90%% of the GPU memory free after loading, "
-                          "or half the host's available memory shared by its ranks; at most what --max-num-seqs "
-                          "full-context sequences need)")
+                     help="KV cache per rank, e.g. 4GiB (default: what --max-num-seqs full-context sequences need, "
+                          "at most --gpu-memory-utilization of the GPU's memory less what is in use and the largest "
+                          "step's activations, or half the host's available memory shared by its ranks)")
+    srv.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
+                     help="share of each GPU's total memory this server may hold: weights, activations and KV "
+                          "cache (vLLM's flag; default 0.9)")
     srv.add_argument("--block-size", type=positive_int, default=16,
                      help="tokens per KV cache block, the unit of prefix caching (default 16)")
     srv.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",

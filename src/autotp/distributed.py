@@ -94,19 +94,27 @@ def resolve_device(device: str | torch.device | None, local_rank: int | None,
     return device
 
 
-def shared_gpus(placements: list[tuple[str, str]]) -> list[list[int]]:
-    """placements[rank] = (host, device) -> the groups of ranks that would share one GPU."""
+def gpu_uuid(device: torch.device) -> str:
+    """The physical GPU behind a logical CUDA device: its UUID. CUDA_VISIBLE_DEVICES renumbers the GPUs each
+    process sees, so under a launcher that gives every rank its own GPU (SLURM --gpus-per-task=1, Kubernetes
+    device plugins) every rank is cuda:0 of a different GPU. Where torch has no UUID, the logical name."""
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+    return str(uuid) if uuid else str(device)
+
+
+def shared_gpus(placements: list[tuple[str, str, str]]) -> list[list[int]]:
+    """placements[rank] = (host, device, physical GPU) -> the groups of ranks that would share one GPU."""
     owners: dict[tuple[str, str], list[int]] = {}
-    for rank, (host, device) in enumerate(placements):
+    for rank, (host, device, gpu) in enumerate(placements):
         if device.startswith("cuda"):
-            owners.setdefault((host, device), []).append(rank)
+            owners.setdefault((host, gpu), []).append(rank)
     return [ranks for ranks in owners.values() if len(ranks) > 1]
 
 
 def _check_one_gpu_per_rank(device: torch.device, group) -> None:
     """Two ranks on one GPU run (NCCL may even hang): say so on every rank instead."""
     placements: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(placements, (socket.gethostname(), str(device)), group=group)
+    dist.all_gather_object(placements, (socket.gethostname(), str(device), gpu_uuid(device)), group=group)
     clashes = shared_gpus(placements)
     if clashes:
         ranks = clashes[0]

@@ -8,6 +8,10 @@ Order as in HF: temperature, then top-k, then top-p (nucleus), then one multinom
 A row whose scores are NaN or +inf anywhere, or all -inf, cannot be sampled (nor argmax'ed meaningfully):
 `pick` reports it as failed instead of raising, so one bad row never takes its batch down. The rules on
 the parameters' ranges are autotp.sampling's; anything they let through is safe here.
+
+On CUDA every `.item()` or `.tolist()` waits for the device. `sample` draws a batch of rows with one such wait
+(each row's draw, its check and the greedy rows' argmax stay on the device until then), and never hands
+multinomial a distribution it would refuse: on CUDA that is a device-side assert, which ends the process.
 """
 
 from __future__ import annotations
@@ -60,16 +64,54 @@ class RowSampler:
 
     def pick(self, scores: torch.Tensor) -> int:
         """The next token; SampleError when the scores cannot give one."""
-        top = scores.max().float()  # NaN anywhere makes the max NaN
-        if not torch.isfinite(top):
-            raise SampleError(f"the model's scores for this prompt are not finite (max {top.item()})")
-        if self.generator is None:
-            return int(scores.argmax())
+        token = sample([self], scores[None])[0]
+        if isinstance(token, SampleError):
+            raise token
+        return token
+
+    def draw(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sampling row's draw from scores (vocab,), on their device with no host sync: (token, ok). Where the
+        warped distribution is not one multinomial takes (NaN or inf in it), it draws from a uniform one instead
+        and ok is False (the row fails; CPU's multinomial would raise, CUDA's would assert on the device)."""
         probs = torch.softmax(self.warp(scores), dim=-1)
-        try:
-            return int(torch.multinomial(probs, 1, generator=self.generator))
-        except RuntimeError as e:  # same scores, same error on every rank
-            raise SampleError(f"sampling failed: {e}".splitlines()[0]) from None
+        ok = torch.isfinite(probs).all() & (probs >= 0).all()
+        usable = torch.where(ok, probs, torch.ones_like(probs))
+        return torch.multinomial(usable, 1, generator=self.generator)[0], ok
+
+
+INVALID = "probability tensor contains either `inf`, `nan` or element < 0"  # what CPU's multinomial says
+
+
+def sample(rows: list[RowSampler], scores: torch.Tensor) -> list[int | SampleError]:
+    """Each row's next token from its scores (rows, vocab), or the SampleError that fails it, with one host sync
+    for the batch."""
+    return read(draws(rows, scores).tolist())
+
+
+def draws(rows: list[RowSampler], scores: torch.Tensor) -> torch.Tensor:
+    """What `sample` reads, left on the device (no host sync): (rows, 4) float64 of token, finite, drawn and the
+    scores' max. Greedy rows take the batch's argmax; sampling rows draw in turn, each from its own generator."""
+    top = scores.max(dim=-1).values.float()  # NaN anywhere makes the max NaN
+    tokens = scores.argmax(dim=-1)
+    ok = torch.isfinite(top)
+    drawn = ok.clone()
+    for i, row in enumerate(rows):
+        if row.generator is not None:
+            tokens[i], drawn[i] = row.draw(scores[i])
+    return torch.stack([tokens.double(), ok.double(), drawn.double(), top.double()], dim=1)
+
+
+def read(picks: list[list[float]]) -> list[int | SampleError]:
+    """`draws`' rows, once on the host -> each row's token or SampleError."""
+    out: list[int | SampleError] = []
+    for token, finite, drawn, best in picks:
+        if not finite:
+            out.append(SampleError(f"the model's scores for this prompt are not finite (max {best})"))
+        elif not drawn:
+            out.append(SampleError(f"sampling failed: {INVALID}"))
+        else:
+            out.append(int(token))
+    return out
 
 
 class SamplerProcessor(LogitsProcessor):
@@ -81,6 +123,9 @@ class SamplerProcessor(LogitsProcessor):
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         out = torch.full_like(scores, float("-inf"))
-        for i, row in enumerate(self.rows):
-            out[i, row.pick(scores[i])] = 0
+        tokens = sample(self.rows, scores)
+        failed = next((t for t in tokens if isinstance(t, SampleError)), None)
+        if failed is not None:
+            raise failed
+        out[torch.arange(len(tokens), device=out.device), torch.tensor(tokens, device=out.device)] = 0
         return out

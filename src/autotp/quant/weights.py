@@ -13,13 +13,23 @@ int8's per-row maximum is all-reduced (MAX) over the ranks while loading (`quant
 
 Kernels (`QuantizedWeight.linear`): on CPU `torch._weight_int8pack_mm` and
 `torch._weight_int4pack_mm_for_cpu`; on CUDA int8 as gpt-fast does it (the int8 weight cast in the matmul,
-the scale after) and `torch._weight_int4pack_mm` (bfloat16). int8 inputs of many rows (prefill, big
-batches) dequantize instead, where the CPU kernel is slower than the model dtype's matmul.
+the scale after) and `torch._weight_int4pack_mm` (bfloat16, compute capability >= 8.0). int8 inputs of many
+rows (prefill, big batches) dequantize instead, where the CPU kernel is slower than the model dtype's matmul.
+int4 packs with torch >= 2.5's layout (uint8 pairs on CUDA, the `_for_cpu` ops on CPU): older torch is
+refused before loading.
+
+int8 on CUDA in eager mode therefore writes the layer's whole weight in the model dtype on every call (gpt-fast
+meant it for torch.compile, where inductor fuses the cast into the matmul): expect it slower than bf16 there,
+and smaller. torch 2.13 does have a CUDA `_weight_int8pack_mm`, but it is a one-thread-per-output float32 loop
+over the input features (aten/src/ATen/native/cuda/int8mm.cu: at one decode row 15 of each block's 16 thread
+rows idle), and `torch._int_mm` needs more than 16 input rows and quantizes the activations, so neither is used
+unmeasured. No GPU has run either path yet.
 """
 
 from __future__ import annotations
 
 import numbers
+import re
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +46,14 @@ INT4_GROUP = 128  # input features per int4 group: StarCoder's dims and every ev
 # shapes (dequantizing takes 1.0-10x its time at 8 and 16 rows), dequantizing wins at 64 (0.48-0.94x) and 512
 # (0.33-0.46x). Either is slower than bf16 from 16 rows on.
 INT8_DEQUANT_ROWS = 64
+INT4_TORCH = "2.5"  # the int4 packing this module does: uint8 pairs on CUDA, the _for_cpu ops on CPU
+INT4_CAPABILITY = "8.0"  # torch's CUDA int4 kernel (tensor-core mma of Ampere and later)
+
+
+def torch_release(version: str) -> tuple[int, int]:
+    """"2.4.1+cu121" -> (2, 4), "8.0" -> (8, 0); a pre-release ("2.5.0a0+git...") counts as its release."""
+    major, minor = re.match(r"(\d+)\.(\d+)", version).groups()
+    return int(major), int(minor)
 
 
 @dataclass(frozen=True)
@@ -132,13 +150,22 @@ def check_kernel(kind: str, device_type: str, dtype: torch.dtype, what: str | No
     would be slower than the unquantized one and hold both. `what` names what asks for the kernel (default:
     `--quantize KIND`)."""
     what = what or f"--quantize {kind}"
-    if device_type == "cpu":
-        return
-    if device_type != "cuda":
+    if device_type not in ("cpu", "cuda"):
         raise AutotpError(f"{what} has kernels for cpu and cuda, not {device_type}")
-    if kind == "int4" and dtype != torch.bfloat16:
+    if kind == "int4" and torch_release(torch.__version__) < torch_release(INT4_TORCH):
+        raise AutotpError(f"{what} needs torch >= {INT4_TORCH} (its int4 packing ops), this is torch "
+                          f"{torch.__version__}: upgrade torch, or use --quantize int8")
+    if device_type == "cpu" or kind != "int4":
+        return
+    if dtype != torch.bfloat16:
         raise AutotpError(f"{what} on CUDA needs --dtype bfloat16 (torch's int4 kernel), got "
                           f"{str(dtype).removeprefix('torch.')}")
+    if torch.cuda.is_available():  # `autotp plan --device cuda` may run where there is no GPU
+        capability = torch.cuda.get_device_capability()
+        if capability < torch_release(INT4_CAPABILITY):
+            raise AutotpError(f"{what} on CUDA needs a GPU of compute capability {INT4_CAPABILITY} or newer (torch's "
+                              f"int4 kernel); {torch.cuda.get_device_name()} is {capability[0]}.{capability[1]}: "
+                              "use --quantize int8")
 
 
 class QuantizedWeight(nn.Module):

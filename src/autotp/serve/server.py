@@ -74,6 +74,7 @@ class ServeOptions:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 2048
     kv_cache_memory: int | None = None  # bytes per rank; None: from the free memory (budget.py)
+    gpu_memory_utilization: float = budget.GPU_MEMORY_UTILIZATION  # vLLM's flag: share of the GPU's memory
     max_queue: int = 256
     max_model_len: int | None = None
     tokenizer: str | None = None  # a directory or hub id; default: the model's
@@ -119,9 +120,14 @@ def _backend(net, channel: Channel, env, opts: ServeOptions, max_model_len: int 
     attention does not reach the pool is refused here (probe.py), on every rank alike."""
     shapes = probe(net)
     per_token = sum(2 * heads * dim * dtype.itemsize for heads, dim, dtype in shapes)
-    costs = channel.gather((per_token, budget.free_bytes(env.device)))
+    peak = 0
+    if opts.kv_cache_memory is None:
+        peak = budget.step_peak(net, min(opts.max_num_batched_tokens, max_model_len or opts.max_num_batched_tokens))
+    costs = channel.gather((per_token, budget.free_bytes(env.device, opts.gpu_memory_utilization, peak)))
     per_token, free = max(c for c, _ in costs), min(f for _, f in costs)
     tokens = budget.kv_tokens(per_token, opts.kv_cache_memory, free, opts.max_num_seqs, max_model_len)
+    sized_by = budget.sized_by(opts.kv_cache_memory, free, per_token, opts.max_num_seqs, max_model_len, env.device,
+                               opts.gpu_memory_utilization)
     budget.check_fits(tokens, per_token, opts.kv_cache_memory, opts.block_size)
     tokens -= tokens % opts.block_size  # whole blocks
     if env.rank == 0:
@@ -130,8 +136,8 @@ def _backend(net, channel: Channel, env, opts: ServeOptions, max_model_len: int 
         layout = (f"{tokens // opts.block_size} blocks of {opts.block_size}, prefix caching "
                   f"{'on' if opts.prefix_caching else 'off'}, speculation "
                   f"{f'up to {opts.speculate} tokens' if opts.speculate else 'off'}")
-        log(f"KV cache: {tokens} tokens per rank ({_size(tokens * per_token)} at {per_token} bytes per token; "
-            f"{layout}){short}")
+        log(f"KV cache: {tokens} tokens per rank ({_size(tokens * per_token)} at {per_token} bytes per token, "
+            f"sized by {sized_by}; {layout}){short}")
         log(f"attention: {ATTENTION_BACKEND} on {env.device.type} (at most two kernel calls per layer and step)")
     limits = Limits(opts.max_num_seqs, opts.max_num_batched_tokens, tokens)
     batch, planner = backend(net, shapes, limits, opts.block_size, opts.prefix_caching, env.rank == 0, opts.speculate)

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from itertools import islice
 
 import numpy as np
+import torch
 
 from autotp import distributed
 from autotp.sampler import RowSampler, SamplingParams
@@ -45,6 +46,27 @@ from autotp.serve.types import Row, log
 
 HEARTBEAT_S = 0.5  # an idle rank 0 sends an empty step this often, so a dead rank shows within seconds
 GRACE_S = 5  # a signalled worker waits this long for rank 0's "stop" before leaving on its own
+
+
+def landed(logits) -> None:
+    """Wait, inside the watchdog's window, until the device has run the step. On CUDA `batch.run` only queues the
+    step's kernels and collectives: without this, a rank that dies or runs out of memory mid-step would leave rank
+    0 blocked in output.take's first host sync, outside the window, until NCCL's timeout (10 minutes). It moves
+    that sync here, adding none (the followers, which sample nothing, now wait for their device too)."""
+    if logits.is_cuda:
+        torch.cuda.synchronize(logits.device)
+
+
+def device_lost(e: BaseException) -> bool:
+    """An asynchronous CUDA error (a device-side assert, an illegal address): it poisons the process's CUDA
+    context, so every later step fails too and "a failing row fails alone" cannot hold. The rank that sees it
+    exits (rank 0: every request 503, one line, exit 1). An out-of-memory error is not one: it is recoverable."""
+    if isinstance(e, torch.OutOfMemoryError):
+        return False
+    return isinstance(e, ACCELERATOR_ERROR) or "CUDA error: " in str(e)  # (torch < 2.8: a RuntimeError)
+
+
+ACCELERATOR_ERROR = getattr(torch, "AcceleratorError", ())  # what torch >= 2.8 raises for a CUDA error
 
 
 def kind(description: str) -> str:
@@ -247,11 +269,14 @@ class Engine:
         self.watchdog.begin(self.forwards)
         try:
             scores = self.batch.run(step)
+            landed(scores.logits)
         except Exception as e:  # noqa: BLE001 - the next step tells every rank; they must have failed alike
             self.watchdog.end()
             if self.watch.died(e, self.doing):  # no rank is left to compare with: run() says which one died
                 raise
             self.watch.failed(self.forwards, describe(e))
+            if device_lost(e):
+                raise RuntimeError(f"the GPU can run nothing more, restart the server: {describe(e)}") from e
             if not self.watch.alike(self.forwards):  # a rank that did not fail waits in a collective
                 raise RuntimeError(f"rank 0's forward failed and another rank's did not: {describe(e)}") from e
             self.error = describe(e)
@@ -357,9 +382,11 @@ def follow(batch, channel: Channel, stopping: StopFlag) -> int:
         if step.runs:
             forwards += 1
             try:
-                batch.run(step)
+                landed(batch.run(step).logits)
             except Exception as e:  # noqa: BLE001 - compared with rank 0's at the next step
                 error = describe(e)
                 watch.failed(forwards, error)
+                if device_lost(e):
+                    raise
         elif stopping.is_set() and stopping.age() > GRACE_S and not step.drop:
             return 0

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from autotp.sampler import RowSampler, SampleError
+from autotp.sampler import RowSampler, SampleError, draws, read, sample
 from autotp.serve.api.metrics import Metrics
 from autotp.serve.engine.text import Detokenizer, added_text, cut_at_stop, first_stop
 from autotp.serve.types import Piece, Result, TokenLogprob, log
@@ -101,16 +101,13 @@ class Output:
                     a.fail(500, f"generation failed: {describe(e)}")
 
     def _sample_rows(self, rows: list[int], scores: torch.Tensor) -> None:
-        """scores (rows, vocab): each row's next token, then its log-probabilities where it asked for them."""
-        finite = torch.isfinite(scores.max(dim=-1).values).tolist()
-        greedy = scores.argmax(dim=-1).tolist()  # what RowSampler.pick gives a greedy row, for all at once
+        """scores (rows, vocab): each row's next token (one host sync for all: sampler.sample), then its
+        log-probabilities where it asked for them."""
+        live = [i for i, row in enumerate(rows) if not self.active[row].done]  # not failed earlier in this step
+        drawn = sample([self.active[rows[i]].sampler for i in live], scores[live]) if live else []
         picked: dict[int, int] = {}
-        for i, row in enumerate(rows):
-            a = self.active[row]
-            if a.done:  # failed earlier in this step (its prompt's log-probabilities)
-                continue
-            token = self._draw(a, greedy[i], finite[i], scores[i])
-            if token is not None:
+        for i, token in zip(live, drawn, strict=True):
+            if self._taken(self.active[rows[i]], token):
                 picked[i] = token
         want = [i for i in picked if self.active[rows[i]].job.row.logprobs is not None]
         logprobs: dict[int, TokenLogprob] = {}
@@ -125,35 +122,50 @@ class Output:
                 self._advance(self.active[rows[i]], token, logprobs.get(i))
 
     @staticmethod
-    def _draw(a: Active, greedy: int, finite: bool, scores: torch.Tensor) -> int | None:
-        """A row's token from one column's scores (vocab,): `greedy`, their argmax, is what RowSampler.pick gives
-        a greedy row; None where the row cannot sample them (it fails with 500)."""
-        try:
-            return greedy if finite and a.sampler.generator is None else a.sampler.pick(scores)
-        except SampleError as e:
-            log(f"{a.job.request} prompt {a.job.index} failed: {e}")
-            a.fail(500, str(e))
-            return None
+    def _taken(a: Active, token: int | SampleError) -> bool:
+        """Whether a row's draw gave a token; a SampleError fails the row with 500."""
+        if isinstance(token, SampleError):
+            log(f"{a.job.request} prompt {a.job.index} failed: {token}")
+            a.fail(500, str(token))
+            return False
+        return True
 
     def _verify(self, span: tuple, logits: torch.Tensor, kept: dict[int, int]) -> None:
         """A row that ran its last token and a draft d1 .. dm: column i scores the token after d_i (d_0 its last
         token). Its sampler draws at each column in turn, exactly as it would have one step at a time, and
         each token drawn is the row's; it goes on while the token drawn is the draft's next one. So the text
-        is the text without a draft; the draft only saves the forwards of the tokens it guessed."""
+        is the text without a draft; the draft only saves the forwards of the tokens it guessed.
+
+        Every column is drawn on the device before one host sync; a sampling row's generator is then put back
+        to its state after the last column the row keeps, as if the others had never been drawn."""
         row, a, b = span.row, span.a, span.b
         active = self.active[row]
         draft = active.draft[:span.draft]
         scores = logits[a:b]
-        greedy = scores.argmax(dim=-1).tolist()
-        finite = torch.isfinite(scores.max(dim=-1).values).tolist()
-        tops = active.job.row.logprobs
-        accepted = 0
-        for i in range(b - a):
-            token = self._draw(active, greedy[i], finite[i], scores[i])
-            if token is None:
+        generator = active.sampler.generator
+        if generator is None:
+            drawn = sample([active.sampler] * (b - a), scores)
+        else:  # column by column, each generator state kept (on CUDA: its seed and offset, no sync)
+            states, columns = [generator.get_state()], []
+            for i in range(b - a):
+                columns.append(draws([active.sampler], scores[i:i + 1]))
+                states.append(generator.get_state())
+            drawn = read(torch.cat(columns).tolist())
+        used = 0
+        for i, token in enumerate(drawn):
+            used = i + 1
+            if isinstance(token, SampleError) or i == len(draft) or token != draft[i]:
                 break
-            logprob = token_logprobs(scores[i:i + 1], [token], [tops])[0] if tops is not None else None
-            self._advance(active, token, logprob)
+        if generator is not None:
+            generator.set_state(states[used])
+        tops = active.job.row.logprobs
+        tokens = [t for t in drawn[:used] if not isinstance(t, SampleError)]
+        logprobs = token_logprobs(scores[:len(tokens)], tokens, [tops] * len(tokens)) if tops is not None else []
+        accepted = 0
+        for i, token in enumerate(drawn[:used]):
+            if not self._taken(active, token):
+                break
+            self._advance(active, token, logprobs[i] if tops is not None else None)
             kept[row] = i + 1
             if active.done or i == len(draft) or token != draft[i]:
                 break

@@ -4,9 +4,11 @@ A token's cache bytes are measured, not derived from the config, so per-rank KV 
 KV heads < tp), multi-query, sliding windows (counted as if full) and the dtype are all what the model
 really stores: the probe forward (probe.py) records every layer's keys.
 
-Without `--kv-cache-memory`, the cache may use a fraction of what this rank has free once the weights
-are loaded (most of a GPU's free memory; on CPU a share of the host's available memory, split between
-the ranks on the host), and never more than `max_num_seqs` full-context rows need.
+Without `--kv-cache-memory`, the cache holds what `max_num_seqs` full-context rows need, capped by memory:
+- on CUDA, vLLM's `--gpu-memory-utilization` rule: that share of the GPU's total memory, less what is in use
+  once the weights are loaded (the weights, the CUDA context, other processes) and less the activations' peak
+  of the largest step, measured at start-up by a forward of `--max-num-batched-tokens` tokens (`step_peak`);
+- on CPU, a share of the host's available memory, split between the ranks on the host.
 """
 
 from __future__ import annotations
@@ -17,14 +19,33 @@ import torch
 
 from autotp.errors import AutotpError
 
-GPU_FRACTION = 0.9  # of the free GPU memory after loading (vLLM's default utilisation)
+GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default: the share of the GPU's total memory this rank may hold
 CPU_FRACTION = 0.5  # of MemAvailable, shared by the host's ranks: activations and the OS need the rest
 
 
-def free_bytes(device: torch.device) -> int:
-    """What this rank may give its cache, by the fractions above."""
+def step_peak(model, tokens: int) -> int:
+    """CUDA: the bytes a forward of `tokens` prompt tokens allocates beyond what stays allocated (its
+    activations' peak; logits of the last position only, as the engine keeps them), the headroom the
+    cache must leave. 0 on CPU, without a forward. Every rank calls it together: it is a forward. The
+    forward runs transformers' own attention over one row, not the paged one: an estimate of the largest step."""
+    device = model.device
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    with torch.inference_mode():
+        model(input_ids=torch.zeros((1, tokens), dtype=torch.long, device=device), use_cache=False,
+              logits_to_keep=1)
+    torch.cuda.synchronize(device)
+    return max(0, torch.cuda.max_memory_allocated(device) - base)
+
+
+def free_bytes(device: torch.device, utilization: float = GPU_MEMORY_UTILIZATION, headroom: int = 0) -> int:
+    """What this rank may give its cache (the module's rules). headroom: step_peak's bytes."""
     if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0] * GPU_FRACTION)
+        free, total = torch.cuda.mem_get_info(device)
+        return max(0, int(total * utilization) - (total - free) - headroom)
     try:
         with open("/proc/meminfo") as f:
             available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
@@ -40,6 +61,18 @@ def kv_tokens(per_token: int, budget: int | None, free: int, max_num_seqs: int, 
         return budget // per_token
     tokens = free // per_token
     return tokens if max_model_len is None else min(tokens, max_num_seqs * max_model_len)
+
+
+def sized_by(budget: int | None, free: int, per_token: int, max_num_seqs: int, max_model_len: int | None,
+             device: torch.device, utilization: float) -> str:
+    """Which rule gave kv_tokens' number, for the start-up line."""
+    if budget is not None:
+        return "--kv-cache-memory"
+    memory = (f"{utilization:.0%} of the GPU's memory less what is in use and the largest step's activations"
+              if device.type == "cuda" else "half the host's available memory shared by its ranks")
+    if max_model_len is not None and max_num_seqs * max_model_len <= free // per_token:
+        return f"{max_num_seqs} sequences (--max-num-seqs) x {max_model_len} tokens of context, within {memory}"
+    return memory
 
 
 def check_fits(tokens: int, per_token: int, budget: int | None, block_size: int) -> None:
