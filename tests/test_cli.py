@@ -132,14 +132,14 @@ def test_generate_errors_in_a_single_process(tmp_path):
 def test_bad_flags_are_one_line(checkpoint):
     out = autotp("generate", "--model", checkpoint("mqa12")[0], "--input-ids", "1", "--dtype", "float8")
     assert out.returncode == 2 and out.stderr.splitlines() == [
-        "autotp: error: autotp generate: argument --dtype: invalid choice: 'float8' (choose from 'float32', "
+        "autotp: error: argument --dtype: invalid choice: 'float8' (choose from 'float32', "
         "'bfloat16', 'float16')"]
     out = autotp("plan", "--tp", "0")
     assert out.returncode == 2 and out.stderr.splitlines() == [
-        "autotp: error: autotp plan: argument --tp: must be at least 1, got 0"]
+        "autotp: error: argument --tp/--tensor-parallel-size: must be at least 1, got 0"]
     out = autotp("serve", "--speculate", "-1")
     assert out.returncode == 2 and out.stderr.splitlines() == [
-        "autotp: error: autotp serve: argument --speculate: must be at least 0, got -1"]
+        "autotp: error: argument --speculate: must be at least 0, got -1"]
 
 
 def test_help_and_flag_errors_import_neither_torch_nor_transformers():
