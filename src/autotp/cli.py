@@ -125,6 +125,7 @@ def cmd_generate(args) -> int:
     from autotp import distributed
     from autotp.generate import FROM_TOKENIZER, check_ids, check_length, context_limit, context_line, generate
     from autotp.hub import load_config, resolve_model_dir
+    from autotp.loading.checkpoint import Checkpoint
     from autotp.tokenizer import fim_prompt
 
     if (args.prompt is None) == (args.input_ids is None):
@@ -133,6 +134,7 @@ def cmd_generate(args) -> int:
     distributed.init(args.device)  # first: a hub id is downloaded once per node, the other ranks wait
     model_dir = resolve_model_dir(args.model or default_model(), flag="--model")
     config = load_config(model_dir)  # before AutoTokenizer, which reads config.json too and fails on a bad one
+    Checkpoint(model_dir)  # its headers: a config without weights (examples/starcoder) is named so, not as a tokenizer
     tokenizer = _tokenizer(args, model_dir)
     if args.suffix is not None:
         if tokenizer is None or args.prompt is None:
