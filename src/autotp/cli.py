@@ -293,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", help="prompt text")
     gen.add_argument("--input-ids", type=id_list, help="prompt as comma-separated token ids (no tokenizer needed)")
     gen.add_argument("--suffix", help="fill in the middle: text after the gap; --prompt is the text before it")
-    gen.add_argument("--tokenizer", help="tokenizer directory (default: the model's)")
+    gen.add_argument("--tokenizer", help="tokenizer directory or hub id (default: the model's)")
     gen.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate (default 64)")
     gen.add_argument("--max-model-len", type=positive_int,
                      help="prompt + new tokens at most (default: the config's position limit, else the tokenizer's "
@@ -310,7 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "when many tokens follow the compilation; where it fails, eager after a warning")
     gen.add_argument("--dtype", choices=DTYPE_CHOICES, help="weights dtype (default: as stored)")
     add_quantize_flags(gen)
-    gen.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available, else cpu")
+    gen.add_argument("--device", choices=["cpu", "cuda"],
+                     help="where the ranks run (default: cuda if available, else cpu)")
     gen.add_argument("--json", action="store_true", help='print {"output_ids": ..., "text": ...} on rank 0')
     # the `deepspeed` launcher appends --local_rank=N; LOCAL_RANK in the environment says the same
     gen.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
@@ -351,7 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--tokenizer", help="tokenizer directory or hub id (default: the model's)")
     srv.add_argument("--dtype", choices=DTYPE_CHOICES, help="weights dtype (default: as stored)")
     add_quantize_flags(srv)
-    srv.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available, else cpu")
+    srv.add_argument("--device", choices=["cpu", "cuda"],
+                     help="where the ranks run (default: cuda if available, else cpu)")
     srv.add_argument("--max-body-bytes", type=positive_int, default=2**21,
                      help="largest request body; more is refused with 413 (default 2 MiB)")
     srv.add_argument("--read-timeout", type=positive_float, default=30.0,
@@ -359,8 +361,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--allowed-hosts", type=name_list,
                      help="Host header names to answer, comma-separated, '*' for any (default: loopback names "
                           "when bound to loopback, else any)")
-    srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (default: $AUTOTP_API_KEY, "
-                                       "which, unlike a flag, other users cannot read in the process list)")
+    srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* and TGI's /generate, "
+                                       "/generate_stream and / (/health, /info and /metrics stay open; default: "
+                                       "$AUTOTP_API_KEY, which, unlike a flag, other users cannot read in the process "
+                                       "list)")
     srv.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # as for generate
     srv.set_defaults(func=cmd_serve)
     return parser
