@@ -10,9 +10,10 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
-from serve_harness import Server, alive
+from serve_harness import Server, alive, children
 from test_cli import by_hand, error_lines, run
 
 from autotp.launch import outcome
@@ -77,6 +78,28 @@ def test_two_servers_with_tp_2_on_one_host_serve_then_stop(tmp_path):
         second.kill()
 
 
+def rank_environment(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_killed_mid_generation_is_named_once():
+    """The launcher stops the other rank (SIGTERM) once rank 1 is gone: only rank 1 is named, with its signal."""
+    proc = subprocess.Popen([sys.executable, "-m", "autotp", "generate", "--tp", "2", "--prompt", PROMPT,
+                             "--max-new-tokens", "480"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        assert proc.stdout.read(len(PROMPT)) == PROMPT  # rank 0 has loaded the model and started to stream
+        victim = next(pid for pid in children(proc.pid) if "RANK=1" in rank_environment(pid))
+        os.kill(victim, signal.SIGKILL)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, err
+    named = [line for line in err.splitlines() if line.startswith("autotp: error") and "rank" in line]
+    assert named == [f"autotp: error: rank 1 (pid {victim}) died of SIGKILL"], err
+
+
 @pytest.mark.timeout(180)
 def test_an_autotp_error_under_tp_is_its_one_line_and_exit_2():
     with socket.socket() as taken:
@@ -133,6 +156,9 @@ def test_the_launchers_outcome():
     # a rank killed by a signal nobody sent is named, once; its peers' exits are consequences
     assert outcome({1: (-9, 11)}, []) == (1, ["autotp: error: rank 1 (pid 11) died of SIGKILL"])
     assert outcome({0: (1, 10), 1: (-11, 11)}, []) == (1, ["autotp: error: rank 1 (pid 11) died of SIGSEGV"])
+    # ... and the SIGTERM with which the launcher then stops the others is not theirs to be named for
+    assert outcome({0: (-15, 10), 1: (-9, 11)}, []) == (1, ["autotp: error: rank 1 (pid 11) died of SIGKILL"])
+    assert outcome({1: (-15, 11)}, []) == (1, ["autotp: error: rank 1 (pid 11) died of SIGTERM"])  # someone's kill
     # ranks ended by the signal that was forwarded to them were stopped, not failed; a second one killed them
     assert outcome({0: (-15, 10), 1: (-15, 11)}, [signal.SIGTERM]) == (143, [])
     assert outcome({0: (-9, 10)}, [signal.SIGINT, signal.SIGINT]) == (130, [])

@@ -79,9 +79,12 @@ def outcome(failures: dict[int, tuple[int, int]], received: list[int]) -> tuple[
 
     A rank that exits non-zero on its own has said why (autotp.distributed.fail), so its code is passed on
     and nothing is added: the lowest failing rank's, 2 for bad input. A rank ended by a signal nobody sent
-    it (the kernel's OOM killer, a segfault, a `kill -9`) is named, once. After a forwarded SIGINT/SIGTERM,
+    it (the kernel's OOM killer, a segfault, a `kill -9`) is named, once; the SIGTERM with which the agent
+    then stops the others is not a failure of theirs. After a forwarded SIGINT/SIGTERM,
     ranks ended by it were stopped, not failed: 128 + the signal, as a shell reports it."""
     sent = set(received[:1]) | ({signal.SIGKILL} if len(received) > 1 else set())
+    if any(code != -signal.SIGTERM for code, _ in failures.values()):
+        sent.add(signal.SIGTERM)  # the agent stops the other ranks with SIGTERM once one has failed
     said = sorted(rank for rank, (code, _) in failures.items() if code > 0)
     died = sorted(rank for rank, (code, _) in failures.items() if code < 0 and -code not in sent)
     lines = [f"autotp: error: rank {rank} (pid {failures[rank][1]}) died of {signal_name(failures[rank][0])}"
