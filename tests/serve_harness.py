@@ -1,4 +1,5 @@
-"""A 2-rank `autotp serve` under torchrun for the serve tests, and the /proc look-ups they use."""
+"""A 2-rank `autotp serve` (under torchrun, or started by its own `--tp`) for the serve tests, and the /proc
+look-ups they use."""
 
 from __future__ import annotations
 
@@ -45,16 +46,20 @@ def alive(pid: int) -> bool:
 class Server:
     """torchrun -m autotp serve on a free port (--port 0), output in a log file the tests read."""
 
-    def __init__(self, model_dir: str, log: Path, *args: str, api_key: str = "unused", ranks: int = 2,
-                 script: str | None = None, env: dict | None = None, torchrun: bool = True):
-        """script: a file torchrun runs instead of `-m autotp` (one that patches autotp, then calls its main);
-        torchrun=False: one process, `python -m autotp serve` (tp 1), as a user starts it without torchrun."""
-        self.model_id, self.log, self.api_key = Path(model_dir).name, log, api_key
+    def __init__(self, model_dir: str | None, log: Path, *args: str, api_key: str = "unused", ranks: int = 2,
+                 script: str | None = None, env: dict | None = None, torchrun: bool = True, tp_flag: bool = False):
+        """script: a file torchrun runs instead of `-m autotp` (one that patches autotp, then calls its main).
+        model_dir None: the embedded demo model, served as autotp-demo. torchrun=False: one process, `python -m
+        autotp serve` (tp 1), as a user starts it without torchrun. tp_flag: `python -m autotp serve --tp RANKS`,
+        which starts its ranks itself, instead of torchrun."""
+        self.model_id, self.log, self.api_key = Path(model_dir).name if model_dir else "autotp-demo", log, api_key
         entry = [script] if script else ["-m", "autotp"]
-        launcher = (["-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port", str(free_port())]
-                    if torchrun else [])
-        cmd = [sys.executable, *launcher, *entry, "serve", "--model", model_dir, "--port", "0", "--max-num-seqs", "8",
-               *args]
+        model = ["--model", model_dir] if model_dir else []
+        launcher = ([sys.executable] if tp_flag or not torchrun else
+                    [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port",
+                     str(free_port())])
+        cmd = [*launcher, *entry, "serve", *model, "--port", "0", "--max-num-seqs", "8", *args,
+               *(["--tp", str(ranks)] if tp_flag else [])]
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**ENV, **(env or {})},
                                          start_new_session=True)

@@ -118,13 +118,18 @@ def test_generate_errors_are_one_line_from_rank_0(checkpoint, args, message):
     assert not [line for line in out.stderr.splitlines() if line.strip().startswith("File") and "autotp" in line]
 
 
-def test_generate_errors_in_a_single_process(tmp_path):
+def test_generate_errors_in_a_single_process(tmp_path, checkpoint):
     out = autotp("generate", "--model", str(tmp_path / "nope"), "--input-ids", "1")
     assert out.returncode == 2 and error_lines(out.stderr) == [
         f"autotp: error: --model '{tmp_path / 'nope'}' is not a directory"]
     out = autotp("generate", "--model", str(STARCODER), "--input-ids", "1")
     assert out.returncode == 2 and "no model.safetensors or model.safetensors.index.json" in out.stderr
-    out = autotp("generate", "--model", str(STARCODER), "--tokenizer", "/nonexistent/dir", "--prompt", "x")
+    # a config without weights, given a prompt: the weights are named, not the tokenizer it also lacks
+    out = autotp("generate", "--model", str(STARCODER), "--prompt", "def f():")
+    assert out.returncode == 2 and error_lines(out.stderr) == [
+        f"autotp: error: no weights in {STARCODER}: no model.safetensors or model.safetensors.index.json (autotp "
+        "reads safetensors checkpoints; `autotp plan` needs only config.json)"]
+    out = autotp("generate", "--model", checkpoint("mqa12")[0], "--tokenizer", "/nonexistent/dir", "--prompt", "x")
     assert out.returncode == 2 and error_lines(out.stderr) == [
         "autotp: error: --tokenizer '/nonexistent/dir' is not a directory"]  # the flag that named it
 
@@ -132,14 +137,14 @@ def test_generate_errors_in_a_single_process(tmp_path):
 def test_bad_flags_are_one_line(checkpoint):
     out = autotp("generate", "--model", checkpoint("mqa12")[0], "--input-ids", "1", "--dtype", "float8")
     assert out.returncode == 2 and out.stderr.splitlines() == [
-        "autotp: error: autotp generate: argument --dtype: invalid choice: 'float8' (choose from 'float32', "
+        "autotp: error: argument --dtype: invalid choice: 'float8' (choose from 'float32', "
         "'bfloat16', 'float16')"]
     out = autotp("plan", "--tp", "0")
     assert out.returncode == 2 and out.stderr.splitlines() == [
-        "autotp: error: autotp plan: argument --tp: must be at least 1, got 0"]
+        "autotp: error: argument --tp/--tensor-parallel-size: must be at least 1, got 0"]
     out = autotp("serve", "--speculate", "-1")
     assert out.returncode == 2 and out.stderr.splitlines() == [
-        "autotp: error: autotp serve: argument --speculate: must be at least 0, got -1"]
+        "autotp: error: argument --speculate: must be at least 0, got -1"]
 
 
 def test_help_and_flag_errors_import_neither_torch_nor_transformers():

@@ -171,8 +171,22 @@ def test_hub_id_resolves_from_the_offline_cache(tmp_path, monkeypatch, checkpoin
     monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)
     model = autotp.from_pretrained("bigcode/tiny")
     assert model.autotp.bytes_read > 0
-    with pytest.raises(AutotpError, match="cannot find model 'bigcode/absent' locally or on the hub"):
+    with pytest.raises(AutotpError) as absent:
         autotp.from_pretrained("bigcode/absent")
+    # huggingface_hub's own message was cut mid-word at 200 characters ("... set 'HF_HUB_OFFLINE"): this one is whole
+    assert str(absent.value) == (f"cannot find model 'bigcode/absent': HF_HUB_OFFLINE is set and it is not in the hub "
+                                 f"cache ({tmp_path / 'hub'}): fetch it once with the network on, or give a local "
+                                 "directory")
+
+
+def test_a_long_hub_message_is_cut_between_words():
+    from autotp.hub import clip
+
+    text = "Cannot find an appropriate cached snapshot folder " * 6 + "\nsecond line"
+    cut = clip(text, 120)
+    kept = cut.removesuffix(" ...")
+    assert cut.endswith(" ...") and len(kept) <= 120 and text.startswith(kept) and text[len(kept)] == " "
+    assert clip("short\nsecond line") == "short" and clip("") == ""
 
 
 def rewrite_header(path, change):

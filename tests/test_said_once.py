@@ -21,7 +21,7 @@ if os.environ.get("RANK") == "0":
     time.sleep(float(os.environ.get("AUTOTP_TEST_RANK0_DELAY", "0")))
 """
 REFUSALS = [
-    (["generate", "--max-new-tokens", "-1"], "autotp: error: autotp generate: argument --max-new-tokens: "),
+    (["generate", "--max-new-tokens", "-1"], "autotp: error: argument --max-new-tokens: "),
     (["serve", "--max-num-batched-tokens", "1"], "autotp: error: --max-num-batched-tokens 1 is less than "
                                                  "--max-num-seqs 16: every running row decodes one token per step"),
     (["plan", "--model", str(ROOT / "examples" / "starcoder"), "--tp", "64"],

@@ -1,7 +1,9 @@
-"""Command line: `autotp plan` (no processes, no weights), `autotp generate` and `autotp serve` (under torchrun).
+"""Command line: `autotp plan` (no processes, no weights), `autotp generate` and `autotp serve`.
 
-Thin by design: argparse, then the library by keyword. Bad input ends in one line on stderr and a
-non-zero exit, printed by rank 0 when every rank fails alike, and by the rank it happened on otherwise.
+Thin by design: argparse, then the library by keyword. `--tp N` on generate and serve starts N local ranks
+(autotp.launch); under torchrun or the `deepspeed` launcher each rank runs the command itself. Bad input ends in
+one line on stderr and a non-zero exit, printed by rank 0 when every rank fails alike, and by the rank it happened
+on otherwise; a bad command line is answered before torch is imported.
 """
 
 from __future__ import annotations
@@ -130,6 +132,7 @@ def cmd_generate(args) -> int:
     from autotp import distributed
     from autotp.generate import FROM_TOKENIZER, check_ids, check_length, context_limit, context_line, generate
     from autotp.hub import load_config, resolve_model_dir
+    from autotp.loading.checkpoint import Checkpoint
     from autotp.tokenizer import fim_prompt
 
     if (args.prompt is None) == (args.input_ids is None):
@@ -138,6 +141,7 @@ def cmd_generate(args) -> int:
     distributed.init(args.device)  # first: a hub id is downloaded once per node, the other ranks wait
     model_dir = resolve_model_dir(args.model or default_model(), flag="--model")
     config = load_config(model_dir)  # before AutoTokenizer, which reads config.json too and fails on a bad one
+    Checkpoint(model_dir)  # its headers: a config without weights (examples/starcoder) is named so, not as a tokenizer
     tokenizer = _tokenizer(args, model_dir)
     if args.suffix is not None:
         if tokenizer is None or args.prompt is None:
@@ -178,14 +182,59 @@ def cmd_generate(args) -> int:
     return 0
 
 
+# flags of other launchers and servers that users type for autotp's: flag -> (whose, autotp's)
+OTHER_TOOLS = {
+    "--tensor_parallel_size": ("vLLM's Python API", "--tp"), "-tp": ("vLLM", "--tp"),
+    "--num-shard": ("text-generation-inference", "--tp"), "--num_shard": ("text-generation-inference", "--tp"),
+    "--nproc-per-node": ("torchrun", "--tp"), "--nproc_per_node": ("torchrun", "--tp"),
+    "--num-gpus": ("deepspeed", "--tp"), "--num_gpus": ("deepspeed", "--tp"),
+    "--mp-size": ("DeepSpeed's init_inference", "--tp"), "--mp_size": ("DeepSpeed's init_inference", "--tp"),
+    "--model-id": ("text-generation-inference", "--model"), "--hostname": ("text-generation-inference", "--host"),
+    "--max-total-tokens": ("text-generation-inference", "--max-model-len"),
+    "--max-batch-prefill-tokens": ("text-generation-inference", "--max-num-batched-tokens"),
+    "--max-concurrent-requests": ("text-generation-inference", "--max-queue"),
+    "--gpu-memory-utilization": ("vLLM", "--kv-cache-memory (a size per rank, e.g. 4GiB)"),
+}
+
+
+def launcher_world() -> str | None:
+    """WORLD_SIZE as a launcher (torchrun, deepspeed, autotp.launch) exported it, or None when run alone."""
+    return os.environ.get("WORLD_SIZE")
+
+
+def command_line_error(message: str) -> int:
+    """`autotp: error: MESSAGE` for a bad command line, exit 2. Run alone, said at once, before torch is imported.
+    Under a launcher every rank parses the same argv: rank 0 says it, once (distributed.fail; under torchrun the
+    others wait for rank 0 to have said it before they exit)."""
+    if launcher_world() is not None:
+        from autotp import distributed
+
+        return distributed.fail(message, code=2)
+    print(f"autotp: error: {message}", file=sys.stderr, flush=True)
+    return 2
+
+
+def other_tool_hint(message: str) -> str:
+    """For argparse's "unrecognized arguments: ...": where one is another tool's flag, autotp's for it; for a
+    flag typed before the command, the order."""
+    if message.startswith("argument command: invalid choice"):  # `autotp --tp 2 serve`
+        return " (the command comes first, its flags after it: autotp serve --tp 2)"
+    if not message.startswith("unrecognized arguments:"):
+        return ""
+    for word in message.split()[2:]:
+        flag = word.split("=", 1)[0]
+        if flag in OTHER_TOOLS:
+            tool, ours = OTHER_TOOLS[flag]
+            return f" ({flag} is {tool}'s flag; autotp's is {ours})"
+    return ""
+
+
 class Parser(argparse.ArgumentParser):
-    """argparse, but a bad flag is one line, said once (distributed.fail: rank 0 says it; every rank parses the
-    same argv, and under torchrun the others wait for rank 0 to have said it before they exit) and exit 2."""
+    """argparse, but a bad flag is one line, said once (command_line_error), with a hint where the flag is another
+    tool's, and exit 2. argparse's own `PROG: error:` prefix is left out: the line starts `autotp: error:`."""
 
     def error(self, message: str):
-        from autotp import distributed  # torch only on this path: --help and good flags stay instant
-
-        raise SystemExit(distributed.fail(f"{self.prog}: {message}", code=2))
+        raise SystemExit(command_line_error(message + other_tool_hint(message)))
 
 
 def cmd_serve(args) -> int:
@@ -228,13 +277,17 @@ def add_quantize_flags(parser: argparse.ArgumentParser) -> None:
                         help="input features per int4 group (default 128)")
 
 
+def add_tp_flag(parser: argparse.ArgumentParser, text: str, required: bool = False) -> None:
+    parser.add_argument("--tp", "--tensor-parallel-size", type=positive_int, required=required, metavar="N", help=text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="autotp", description="Tensor-parallel inference for HF causal LMs.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     plan = sub.add_parser("plan", help="show how each tensor is partitioned across ranks (reads no weights)")
     plan.add_argument("--model", help="model directory or hub id (default: the embedded demo model)")
-    plan.add_argument("--tp", type=positive_int, required=True, help="number of tensor-parallel ranks")
+    add_tp_flag(plan, "number of tensor-parallel ranks", required=True)
     plan.add_argument("--dtype", choices=DTYPE_CHOICES, help="dtype for byte counts (default: checkpoint/config)")
     add_quantize_flags(plan)
     plan.add_argument("--device", choices=["cpu", "cuda"],
@@ -242,12 +295,15 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     plan.set_defaults(func=cmd_plan)
 
-    gen = sub.add_parser("generate", help="generate text with a sharded model (launch with torchrun)")
+    tp_text = ("tensor-parallel ranks this command starts on this host (default 1; under torchrun, which starts "
+                "the ranks itself, leave it out or give its WORLD_SIZE)")
+    gen = sub.add_parser("generate", help="generate text with a sharded model (--tp N ranks)")
     gen.add_argument("--model", help="model directory or hub id (default: the embedded demo model)")
+    add_tp_flag(gen, tp_text)
     gen.add_argument("--prompt", help="prompt text")
     gen.add_argument("--input-ids", type=id_list, help="prompt as comma-separated token ids (no tokenizer needed)")
     gen.add_argument("--suffix", help="fill in the middle: text after the gap; --prompt is the text before it")
-    gen.add_argument("--tokenizer", help="tokenizer directory (default: the model's)")
+    gen.add_argument("--tokenizer", help="tokenizer directory or hub id (default: the model's)")
     gen.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate (default 64)")
     gen.add_argument("--max-model-len", type=positive_int,
                      help="prompt + new tokens at most (default: the config's position limit, else the tokenizer's "
@@ -264,15 +320,17 @@ def build_parser() -> argparse.ArgumentParser:
                           "when many tokens follow the compilation; where it fails, eager after a warning")
     gen.add_argument("--dtype", choices=DTYPE_CHOICES, help="weights dtype (default: as stored)")
     add_quantize_flags(gen)
-    gen.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available, else cpu")
+    gen.add_argument("--device", choices=["cpu", "cuda"],
+                     help="where the ranks run (default: cuda if available, else cpu)")
     gen.add_argument("--json", action="store_true", help='print {"output_ids": ..., "text": ...} on rank 0')
     # the `deepspeed` launcher appends --local_rank=N; LOCAL_RANK in the environment says the same
     gen.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     gen.set_defaults(func=cmd_generate)
 
-    srv = sub.add_parser("serve", help="OpenAI-compatible completions server on rank 0 (launch with torchrun)")
+    srv = sub.add_parser("serve", help="OpenAI- and TGI-compatible completions server (--tp N ranks)")
     srv.add_argument("--model", help=f"model directory or hub id, also the name clients use (default: the embedded "
                                      f"demo model, named {DEMO_ID})")
+    add_tp_flag(srv, tp_text)
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     srv.add_argument("--port", type=port_number, default=8000, help="port to listen on; 0 picks a free one "
                                                                     "(default 8000)")
@@ -307,7 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--tokenizer", help="tokenizer directory or hub id (default: the model's)")
     srv.add_argument("--dtype", choices=DTYPE_CHOICES, help="weights dtype (default: as stored)")
     add_quantize_flags(srv)
-    srv.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available, else cpu")
+    srv.add_argument("--device", choices=["cpu", "cuda"],
+                     help="where the ranks run (default: cuda if available, else cpu)")
     srv.add_argument("--max-body-bytes", type=positive_int, default=2**21,
                      help="largest request body; more is refused with 413 (default 2 MiB)")
     srv.add_argument("--read-timeout", type=positive_float, default=30.0,
@@ -315,15 +374,27 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--allowed-hosts", type=name_list,
                      help="Host header names to answer, comma-separated, '*' for any (default: loopback names "
                           "when bound to loopback, else any)")
-    srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (default: $AUTOTP_API_KEY, "
-                                       "which, unlike a flag, other users cannot read in the process list)")
+    srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* and TGI's /generate, "
+                                       "/generate_stream and / (/health, /info and /metrics stay open; default: "
+                                       "$AUTOTP_API_KEY, which, unlike a flag, other users cannot read in the process "
+                                       "list)")
     srv.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # as for generate
     srv.set_defaults(func=cmd_serve)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    if args.command != "plan" and args.tp is not None:
+        world = launcher_world()
+        if world is None and args.tp > 1:
+            from autotp.launch import launch
+
+            return launch(args.tp, argv)  # each rank runs this argv again, under WORLD_SIZE = --tp
+        if world is not None and world != str(args.tp):
+            return command_line_error(f"--tp {args.tp} disagrees with the {world} ranks its launcher started "
+                                      f"(WORLD_SIZE={world}): under torchrun give --tp {world} or leave --tp out")
     from autotp import distributed  # torch: paid only once the flags are good (--help and flag errors are instant)
 
     try:

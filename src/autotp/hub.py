@@ -65,14 +65,27 @@ def _downloads_for_this_node() -> bool:
     return hosts.index(socket.gethostname()) == distributed.rank()
 
 
+def clip(text: str, limit: int = 200) -> str:
+    """The first line of `text`, at most `limit` characters, cut between words (with "...") rather than in one."""
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    if len(line) <= limit:
+        return line
+    cut = line[:limit].rsplit(" ", 1)[0]
+    return (cut if cut else line[:limit]) + " ..."
+
+
 def _snapshot(repo_id: str, patterns: list[str], local_files_only: bool = False) -> Path:
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     try:
         return Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=local_files_only))
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError) as e:
-        detail = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+        if isinstance(e, LocalEntryNotFoundError) and constants.HF_HUB_OFFLINE:
+            raise AutotpError(f"cannot find model {repo_id!r}: HF_HUB_OFFLINE is set and it is not in the hub "
+                              f"cache ({constants.HF_HUB_CACHE}): fetch it once with the network on, or give a "
+                              "local directory") from None
+        detail = clip(str(e))
         raise AutotpError(f"cannot find model {repo_id!r} locally or on the hub: {type(e).__name__}"
                           + (f": {detail}" if detail else "")) from None
 

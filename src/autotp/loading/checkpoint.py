@@ -144,7 +144,8 @@ class Checkpoint:
         elif (self.directory / SINGLE).exists():
             files = [SINGLE]
         else:
-            raise AutotpError(f"no {SINGLE} or {INDEX} in {self.directory}: autotp reads safetensors checkpoints")
+            raise AutotpError(f"no weights in {self.directory}: no {SINGLE} or {INDEX} (autotp reads safetensors "
+                              "checkpoints; `autotp plan` needs only config.json)")
         self.entries: dict[str, Entry] = {}
         for file in files:
             path = self.directory / file

@@ -26,6 +26,7 @@ from autotp import distributed
 from autotp.errors import AutotpError
 from autotp.generate import context_limit
 from autotp.hub import TOKENIZER_FILES, load_config, resolve_model_dir
+from autotp.loading.checkpoint import Checkpoint
 from autotp.serve.api import router_api
 from autotp.serve.api.boundary import Served
 from autotp.serve.api.guard import host_policy
@@ -185,6 +186,7 @@ def serve(model: str, model_id: str, opts: ServeOptions = ServeOptions()) -> int
 
     model_dir = resolve_model_dir(model, flag="--model")
     config = load_config(model_dir)
+    Checkpoint(model_dir)  # a config without weights is named so, not as a missing tokenizer
     tokenizer_dir = resolve_model_dir(opts.tokenizer, TOKENIZER_FILES, flag="--tokenizer") if opts.tokenizer else None
     tokenizer = load_tokenizer(tokenizer_dir or model_dir,
                                missing="autotp serve needs a tokenizer, and none loads from {source} ({cause}): "

@@ -1,0 +1,145 @@
+"""`--tp N` on `autotp generate` and `autotp serve`: this process starts the N local ranks of the same command.
+
+torch's own launcher does the work (`elastic_launch`, what torchrun runs), with torchrun's `--standalone`
+rendezvous: a store on port 0 of the loopback address, so the OS picks a free port and two launches on
+one host never collide. Each rank runs `python -m autotp ARGS` with torchrun's environment (RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT of that store), in its own session, so a terminal's Ctrl-C
+reaches this process only.
+
+What this adds to torchrun's behaviour, and the reason it is not `torchrun` itself:
+- SIGINT/SIGTERM are forwarded once to every rank, which do what they do under torchrun (the server
+  drains, then every rank stops), and the launcher waits for them with no deadline: a drain that ends
+  well is exit 0, not torchrun's `SignalException` traceback and exit 1. A second signal kills the ranks.
+- Failures are autotp's lines: a rank that fails with autotp's error has said its one line already
+  (autotp.distributed.fail), so the launcher adds nothing and exits with the rank's code (2 for bad
+  input); a rank that dies of a signal it was not sent is named in one line. torchrun's failure report
+  and the agent's log lines are not printed.
+Multi-host runs stay torchrun's (`torchrun --nnodes ... -m autotp serve`): this module knows one host.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+FORWARDED = (signal.SIGINT, signal.SIGTERM)
+
+
+class _Stopped(Exception):
+    """A signal arrived before any rank was started: nothing to forward it to."""
+
+    def __init__(self, sig: int):
+        super().__init__(sig)
+        self.sig = sig
+
+
+def _ranks() -> list[int]:
+    """The ranks: this process's children (the agent runs in this process and Popens them; each leads its own
+    process group, so a signal to the group reaches anything a rank started too)."""
+    pids = []
+    for children in Path("/proc/self/task").glob("*/children"):
+        try:
+            pids += [int(p) for p in children.read_text().split()]
+        except OSError:
+            continue
+    return pids
+
+
+def _signal_ranks(sig: int) -> None:
+    for pid in _ranks():
+        try:
+            os.killpg(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def threads_per_rank(tp: int) -> int:
+    """OMP_NUM_THREADS for each of tp CPU ranks when the user set none: the cores this process may use,
+    shared (torchrun sets 1, which leaves all but tp cores of a larger machine idle)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // tp)
+
+
+def signal_name(code: int) -> str:
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+def outcome(failures: dict[int, tuple[int, int]], received: list[int]) -> tuple[int, list[str]]:
+    """(exit code, lines to print) for the ranks that failed: failures[rank] = (exit code, pid), a negative
+    code being the signal that ended it; received: the signals this launcher forwarded (a second one is
+    sent on as SIGKILL).
+
+    A rank that exits non-zero on its own has said why (autotp.distributed.fail), so its code is passed on
+    and nothing is added: the lowest failing rank's, 2 for bad input. A rank ended by a signal nobody sent
+    it (the kernel's OOM killer, a segfault, a `kill -9`) is named, once; the SIGTERM with which the agent
+    then stops the others is not a failure of theirs. After a forwarded SIGINT/SIGTERM,
+    ranks ended by it were stopped, not failed: 128 + the signal, as a shell reports it."""
+    sent = set(received[:1]) | ({signal.SIGKILL} if len(received) > 1 else set())
+    if any(code != -signal.SIGTERM for code, _ in failures.values()):
+        sent.add(signal.SIGTERM)  # the agent stops the other ranks with SIGTERM once one has failed
+    said = sorted(rank for rank, (code, _) in failures.items() if code > 0)
+    died = sorted(rank for rank, (code, _) in failures.items() if code < 0 and -code not in sent)
+    lines = [f"autotp: error: rank {rank} (pid {failures[rank][1]}) died of {signal_name(failures[rank][0])}"
+             for rank in died]
+    if said:
+        return failures[said[0]][0], lines
+    if died:
+        return 1, lines
+    return (128 + received[0] if received else 1), lines
+
+
+def launch(tp: int, argv: list[str]) -> int:
+    """Run `python -m autotp ARGV` as tp local ranks and return the command's exit code (see the module)."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    # the agent's own log lines (rendezvous, "failed (exitcode: 2) local_rank: 0 ...") are not the user's business:
+    # what failed is said by the ranks, or below
+    logging.getLogger("torch.distributed").setLevel(logging.CRITICAL)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(tp)))
+    received: list[int] = []
+
+    def forward(sig: int, _frame) -> None:
+        received.append(sig)
+        if len(received) > 1:
+            print(f"autotp: second {signal.Signals(sig).name}: stopping every rank now", file=sys.stderr, flush=True)
+            _signal_ranks(signal.SIGKILL)
+        elif not _ranks():
+            raise _Stopped(sig)
+        else:
+            _signal_ranks(sig)
+
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
+    try:
+        with tempfile.TemporaryDirectory(prefix="autotp-launch-") as logs:
+            config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=tp, run_id=str(uuid.uuid4()),
+                                  rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
+                                  logs_specs=DefaultLogsSpecs(log_dir=logs),
+                                  # SIGINT and SIGTERM are forward()'s; the agent keeps its handling of the rest
+                                  signals_to_handle="SIGHUP,SIGQUIT")
+            try:
+                elastic_launch(config, sys.executable)("-m", "autotp", *argv)
+                return 0
+            except ChildFailedError as e:
+                code, lines = outcome({rank: (f.exitcode, f.pid) for rank, f in e.failures.items()}, received)
+                for line in lines:
+                    print(line, file=sys.stderr, flush=True)
+                return code
+    except _Stopped as e:
+        return 128 + e.sig
+    except Exception as e:  # noqa: BLE001 - the agent's own failure (its rendezvous store), in autotp's one line
+        print(f"autotp: error: starting {tp} ranks failed: {type(e).__name__}: {e}".splitlines()[0], file=sys.stderr,
+              flush=True)
+        return 1
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

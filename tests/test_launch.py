@@ -1,0 +1,165 @@
+"""`--tp N` (alias `--tensor-parallel-size`): one command starts N local ranks itself, as a user types it.
+
+The oracle for tokens is the same command at tp 1 (one process, no launcher); for the launch, the exit code
+and the lines a user sees; for a bad flag, the message (answered before torch is imported, checked by
+import, not by time)."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from serve_harness import Server, alive, children
+from test_cli import by_hand, error_lines, run
+
+from autotp.launch import outcome
+
+PROMPT = "def print_hello_world():"
+
+
+def autotp(*args, timeout=180):
+    return run([sys.executable, "-m", "autotp", *args], timeout=timeout)
+
+
+@pytest.mark.timeout(300)
+def test_generate_tp_2_prints_the_tokens_of_one_process():
+    alone = autotp("generate", "--prompt", PROMPT, "--max-new-tokens", "24")
+    assert alone.returncode == 0, alone.stderr
+    for flag in ("--tp", "--tensor-parallel-size"):
+        sharded = autotp("generate", flag, "2", "--prompt", PROMPT, "--max-new-tokens", "24")
+        assert sharded.returncode == 0, sharded.stderr
+        assert sharded.stdout == alone.stdout and len(alone.stdout) > len(PROMPT) + 10
+        assert sharded.stderr == "", sharded.stderr  # neither the launcher's nor torch's log lines
+
+
+def plain(log: str) -> list[str]:
+    """The log's lines that are not autotp's own."""
+    return [line for line in log.splitlines() if line.strip() and not line.startswith("autotp")]
+
+
+@pytest.mark.timeout(400)
+def test_two_servers_with_tp_2_on_one_host_serve_then_stop(tmp_path):
+    """Both start (each launch opens its rendezvous on a port the OS picks), both answer the openai client. SIGTERM
+    (what `docker stop` and systemd send) drains the first and exits 0 with autotp's lines only; the second loses
+    a rank to SIGKILL, which is named in one line, and exits 1."""
+    first = Server(None, tmp_path / "first.log", tp_flag=True)
+    second = Server(None, tmp_path / "second.log", tp_flag=True)
+    try:
+        for server in (first, second):
+            assert len(server.ranks) == 2
+            done = server.client.completions.create(model="autotp-demo", prompt=PROMPT, max_tokens=8, temperature=0)
+            assert done.usage.completion_tokens == 8
+        running = first.client.completions.create(model="autotp-demo", prompt=PROMPT, max_tokens=64, temperature=0,
+                                                  stream=True, stream_options={"include_usage": True})
+        chunks = iter(running)
+        next(chunks)
+        first.proc.send_signal(signal.SIGTERM)
+        assert [c.usage.completion_tokens for c in chunks if c.usage] == [64]  # the admitted request ran to its end
+        assert first.proc.wait(timeout=60) == 0, first.text()
+        assert not [p for p in first.ranks if alive(p)]
+        assert "autotp serve: stopped" in first.text() and plain(first.text()) == [], first.text()
+
+        dying = max(second.ranks)
+        os.kill(dying, signal.SIGKILL)
+        assert second.proc.wait(timeout=120) == 1, second.text()
+        named = [line for line in second.text().splitlines() if line.startswith("autotp: error")]
+        assert named == [f"autotp: error: rank 1 (pid {dying}) died of SIGKILL"], second.text()
+        assert plain(second.text()) == [], second.text()
+        deadline = time.monotonic() + 30
+        while any(alive(p) for p in second.ranks) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [p for p in second.ranks if alive(p)]
+    finally:
+        first.kill()
+        second.kill()
+
+
+def rank_environment(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_killed_mid_generation_is_named_once():
+    """The launcher stops the other rank (SIGTERM) once rank 1 is gone: only rank 1 is named, with its signal."""
+    proc = subprocess.Popen([sys.executable, "-m", "autotp", "generate", "--tp", "2", "--prompt", PROMPT,
+                             "--max-new-tokens", "480"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        assert proc.stdout.read(len(PROMPT)) == PROMPT  # rank 0 has loaded the model and started to stream
+        victim = next(pid for pid in children(proc.pid) if "RANK=1" in rank_environment(pid))
+        os.kill(victim, signal.SIGKILL)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, err
+    named = [line for line in err.splitlines() if line.startswith("autotp: error") and "rank" in line]
+    assert named == [f"autotp: error: rank 1 (pid {victim}) died of SIGKILL"], err
+
+
+@pytest.mark.timeout(180)
+def test_an_autotp_error_under_tp_is_its_one_line_and_exit_2():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = autotp("serve", "--tp", "2", "--port", str(port))
+    assert out.returncode == 2, out.stderr
+    [line] = out.stderr.splitlines()  # rank 0's, and nothing of the launcher's
+    assert line.startswith(f"autotp: error: cannot listen on 127.0.0.1:{port}: Address already in use"), line
+
+
+@pytest.mark.parametrize("args, hint", [
+    (["generate", "--num-shard", "2"], "(--num-shard is text-generation-inference's flag; autotp's is --tp)"),
+    (["serve", "--nproc-per-node=2"], "(--nproc-per-node is torchrun's flag; autotp's is --tp)"),
+    (["serve", "-tp", "2"], "(-tp is vLLM's flag; autotp's is --tp)"),
+    (["serve", "--model-id", "bigcode/starcoder"], "(--model-id is text-generation-inference's flag; autotp's is "
+                                                   "--model)"),
+    (["--tp", "2", "serve"], "(the command comes first, its flags after it: autotp serve --tp 2)"),
+])
+def test_another_tools_flag_gets_autotps_in_one_line_before_torch_is_imported(args, hint):
+    code = ("import sys, autotp.cli\n"
+            "try:\n"
+            f"    autotp.cli.main({args!r})\n"
+            "except SystemExit as e:\n"
+            "    print(e.code, sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.stdout.strip() == "2 []", out.stderr
+    [line] = out.stderr.splitlines()
+    assert line.startswith("autotp: error: ") and not line.startswith("autotp: error: autotp"), line
+    assert line.endswith(hint), line
+
+
+def test_a_bad_flag_from_the_shell_is_one_line():
+    out = autotp("generate", "--tensor-parallel-size", "0")
+    assert out.returncode == 2 and out.stderr.splitlines() == [
+        "autotp: error: argument --tp/--tensor-parallel-size: must be at least 1, got 0"]
+
+
+def test_tp_must_agree_with_the_launchers_world_size():
+    """Under a launcher (here the `deepspeed` launcher's environment, 2 ranks), --tp 3 names both numbers, once."""
+    ranks = by_hand(2, "generate", "--tp", "3", "--input-ids", "1,2")
+    assert [code for code, _, _ in ranks] == [2, 2], ranks
+    assert [error_lines(err) for _, _, err in ranks] == [[
+        "autotp: error: --tp 3 disagrees with the 2 ranks its launcher started (WORLD_SIZE=2): under torchrun give "
+        "--tp 2 or leave --tp out"], []], ranks
+
+
+def test_the_launchers_outcome():
+    """Exit code and lines from the ranks that failed ({rank: (exit code, pid)}, a negative code being a signal)."""
+    # every rank failed with autotp's error: rank 0 has said it, the code is passed on, nothing is added
+    assert outcome({0: (2, 10), 1: (2, 11)}, []) == (2, [])
+    # a rank killed by a signal nobody sent is named, once; its peers' exits are consequences
+    assert outcome({1: (-9, 11)}, []) == (1, ["autotp: error: rank 1 (pid 11) died of SIGKILL"])
+    assert outcome({0: (1, 10), 1: (-11, 11)}, []) == (1, ["autotp: error: rank 1 (pid 11) died of SIGSEGV"])
+    # ... and the SIGTERM with which the launcher then stops the others is not theirs to be named for
+    assert outcome({0: (-15, 10), 1: (-9, 11)}, []) == (1, ["autotp: error: rank 1 (pid 11) died of SIGKILL"])
+    assert outcome({1: (-15, 11)}, []) == (1, ["autotp: error: rank 1 (pid 11) died of SIGTERM"])  # someone's kill
+    # ranks ended by the signal that was forwarded to them were stopped, not failed; a second one killed them
+    assert outcome({0: (-15, 10), 1: (-15, 11)}, [signal.SIGTERM]) == (143, [])
+    assert outcome({0: (-9, 10)}, [signal.SIGINT, signal.SIGINT]) == (130, [])
+    assert outcome({0: (130, 10), 1: (130, 11)}, [signal.SIGINT]) == (130, [])
