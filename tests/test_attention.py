@@ -111,8 +111,8 @@ class Calls(TorchFunctionMode):
 
 
 def test_a_step_of_32_rows_with_drafts_and_two_prefill_chunks_costs_two_calls_per_layer():
-    """Through a model's forward (grouped-query: 8 query heads, 2 KV heads, 2 layers): 24 decode rows, 8 rows
-    verifying a draft of 4, two prefill chunks. Two SDPA calls per layer, whatever the rows; every call's keys
+    """Through a model's forward (grouped-query: 8 query heads of 8, 2 KV heads, 2 layers): 24 decode rows, 8 rows
+    verifying a draft of 4, two prefill chunks. Two SDPA calls per layer, whatever the rows; the short rows' keys
     have the pool's 2 KV heads, never one per query head."""
     from families import build
 
@@ -136,6 +136,23 @@ def test_a_step_of_32_rows_with_drafts_and_two_prefill_chunks_costs_two_calls_pe
         batch.apply(Step(work=tuple(work)))
         batch.run(Step(work=tuple(work)))
     assert len(calls.shapes) == 2 * layers
-    assert {k[1] for _, k in calls.shapes} == {2}  # the pool's KV heads
-    # 32 short rows, their 4 query heads per KV head x 5 queries packed; 2 chunks, 4 x 40 (the longer chunk)
-    assert sorted(q[:3] for q, _ in calls.shapes) == [(2, 2, 4 * 40)] * layers + [(32, 2, 4 * 5)] * layers
+    short = [(q[:3], k[:2]) for q, k in calls.shapes if q[0] == 32]
+    long = [(q[:3], k[:2]) for q, k in calls.shapes if q[0] == 2]
+    # 32 short rows: their 4 query heads per KV head x 5 queries packed, against the pool's 2 KV heads unexpanded
+    assert short == [((32, 2, 4 * 5), (32, 2))] * layers
+    # 2 chunks of up to 40 queries, longer than a head (8): K/V expanded to the 8 query heads, not the mask 4-fold
+    assert long == [((2, 8, 40), (2, 8))] * layers
+
+
+def test_a_model_whose_layers_need_another_mask_is_refused_naming_them():
+    """Llama 4's chunked attention (a layer type the paged masks do not make) is refused at start, not served as
+    plain causal attention."""
+    from families import build
+
+    from autotp.errors import AutotpError
+    from autotp.serve.runner.probe import probe
+
+    model = build("llama")
+    model.config.layer_types = ["chunked_attention", "full_attention"]
+    with pytest.raises(AutotpError, match=r"layers of type \['chunked_attention'\] need a mask"):
+        probe(model)

@@ -71,9 +71,10 @@ def test_padding_rows_write_the_scratch_slot_and_read_only_the_zero_slot():
     assert meta.positions.tolist() == [5, 2, 9, 0]
 
 
-@pytest.mark.parametrize("name", ["gpt_bigcode_mqa12", "mistral"])
+@pytest.mark.parametrize("name", ["gpt_bigcode_mqa12", "mistral", "falcon_alibi"])
 def test_the_compiled_step_gets_the_eager_tokens_and_runs_every_decode_step(name, tokenizer):
-    """StarCoder's multi-query layout and a sliding window of 4: greedy tokens equal eager's and HF
+    """StarCoder's multi-query layout, a sliding window of 4, and Falcon's ALiBi (whose forward reads the step's
+    width from the cache: a shape, or every new width would run eager): greedy tokens equal eager's and HF
     generate's, log-probabilities within 1e-4 (the compiler reorders sums), the seeded row's tokens equal.
     Only the prefill steps run the model's Python: every decode step, at 1, 2 and 3 rows, took the graph."""
     model = build(name)

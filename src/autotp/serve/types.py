@@ -1,7 +1,7 @@
 """The plain types every part of `autotp serve` shares: a row of work, its tokens, a job's result, the log.
 
 A leaf: it imports nothing of autotp and no torch, so the torch-free API boundary (api.py) and the
-torch side (engine.py) both build on it without depending on each other.
+torch side (engine/) both build on it without depending on each other.
 """
 
 from __future__ import annotations

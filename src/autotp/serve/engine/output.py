@@ -1,6 +1,6 @@
 """Rank 0's side of a step's scores: each row's next token, its log-probabilities, its text and its end.
 
-The engine hands over the scores a forward computed (runner.Scores); this module samples the rows that get
+The engine hands over the scores a forward computed (runner/model_runner.Scores); this module samples the rows that get
 a token (each with its own seeded sampler.RowSampler), computes the log-probabilities rows asked for,
 decodes and streams the text, and answers a row that finished (eos, a stop string, its budget). Its own
 failures (an allocation for a long prompt's scores, a bug) fail only the rows they were for, with 500:
@@ -29,7 +29,7 @@ def describe(e: BaseException) -> str:
 class Active:
     """A job admitted to the batch: its sampler, the tokens generated so far, the token it feeds next."""
 
-    job: object  # engine.Job
+    job: object  # engine/loop.Job
     sampler: RowSampler
     tokens: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -73,7 +73,7 @@ class Output:
         self.special = set(tokenizer.all_special_ids)
 
     def take(self, scores) -> dict[int, int]:
-        """A forward's scores (runner.Scores): prompt log-probabilities first, then the next tokens. Returns,
+        """A forward's scores (runner/model_runner.Scores): prompt log-probabilities first, then the next tokens. Returns,
         for each row that ran a draft, how many of its computed tokens stand (planner.ran)."""
         asked = [s for s in scores.spans if self.active[s.row].job.row.prompt_logprobs]
         if asked:
@@ -130,7 +130,7 @@ class Output:
             return False
         return True
 
-    def _verify(self, span: tuple, logits: torch.Tensor, kept: dict[int, int]) -> None:
+    def _verify(self, span, logits: torch.Tensor, kept: dict[int, int]) -> None:
         """A row that ran its last token and a draft d1 .. dm: column i scores the token after d_i (d_0 its last
         token). Its sampler draws at each column in turn, exactly as it would have one step at a time, and
         each token drawn is the row's; it goes on while the token drawn is the draft's next one. So the text

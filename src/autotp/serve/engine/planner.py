@@ -5,7 +5,7 @@ prompt for a prefilling one), running rows first, within `max_num_batched_tokens
 admitted first come, first served while a row slot, a token of the step's budget and room for their whole
 life in blocks are left. A new row starts from the longest cached run of its prompt's full blocks
 (blocks.BlockPool) and computes only the rest; it always computes at least its last prompt token, whose
-scores give its first generated one. Pure bookkeeping (no torch): the runner (runner.py) does the work.
+scores give its first generated one. Pure bookkeeping (no torch): the runner (runner/model_runner.py) does the work.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A step that failed on some ranks only, found within seconds instead of at the collective's timeout.
 
 The ranks run each step's forward in lockstep. A forward that raises on every rank alike (the same row too
-long for every GPU) fails its rows and the server goes on (engine.py). One that raises on some ranks only
+long for every GPU) fails its rows and the server goes on (engine/loop.py). One that raises on some ranks only
 (an out-of-memory error on one GPU) leaves the others waiting in one of its collectives, where no message
 reaches them, for the process group's timeout (10 minutes by default). So a rank whose forward raised says
 so in the process group's store, under the step's number, and:

@@ -1,6 +1,6 @@
 """One step's attention over the paged KV pool: the step's description and the function every layer calls.
 
-The runner builds one `StepMeta` per step (runner.py), before the forward, and every layer reads it; nothing
+The runner builds one `StepMeta` per step (model_runner.py), before the forward, and every layer reads it; nothing
 here is recomputed per layer except what depends on the layer (its grouped-query factor, window or bias), and
 even that is built once per step and kept (`Group.mask`). The rows of a step fall in at most two `Group`s:
 
@@ -61,28 +61,33 @@ class Group:
     tokens: torch.Tensor | None = None
     masks: dict = field(default_factory=dict)
 
-    def mask(self, groups: int, window: int | None, alibi: Alibi | None, dtype: torch.dtype) -> torch.Tensor:
-        """The mask of a layer with `groups` query heads per kv head: (R, 1 or kv, G * Q, L), boolean, or float
-        with the bias added. Built once per step and kept, except while compiling (the graph builds it)."""
-        key = (groups, window, dtype, None if alibi is None else (alibi.table.data_ptr(), alibi.table.shape))
+    def mask(self, heads: int, groups: int, window: int | None, alibi: Alibi | None,
+             dtype: torch.dtype) -> torch.Tensor:
+        """The additive mask (0 or -inf, the bias added) of a layer with `heads` query heads, `groups` of them
+        packed per kv head into the query dimension (1: not packed): (R, 1 or heads / groups, groups * Q, L), in
+        the queries' dtype, so that no layer converts it again. Built once per step and kept, except while
+        compiling (the graph builds it)."""
+        bias_key = None if alibi is None else (alibi.table.data_ptr(), alibi.table.shape, alibi.from_end, alibi.scale)
+        key = (heads, groups, window, dtype, bias_key)
         if not torch.compiler.is_compiling() and key in self.masks:
             return self.masks[key]
         visible = self.visible
+        cols = torch.arange(visible.shape[-1], device=visible.device)
         if window is not None:  # HF's sliding-window rule: key positions > query position - window
-            visible = visible & (torch.arange(visible.shape[-1], device=visible.device) > self.qpos - window)
+            visible = visible & (cols > self.qpos - window)
         rows, _, q, width = visible.shape
-        packed = visible[:, :, None].expand(rows, 1, groups, q, width).reshape(rows, 1, groups * q, width)
-        mask = packed
-        if alibi is not None:
-            cols = torch.arange(width, device=visible.device)[None].expand(rows, width)
-            if alibi.from_end:
-                cols = cols + alibi.table.shape[1] - self.lengths
-            cols = cols.clamp(0, alibi.table.shape[1] - 1)  # past a row's length: masked anyway
-            bias = alibi.table[:, cols].transpose(0, 1) * alibi.scale  # (R, heads, L)
-            heads = bias.shape[1]
-            bias = bias.view(rows, heads // groups, groups, 1, width).expand(rows, heads // groups, groups, q, width)
-            bias = bias.reshape(rows, heads // groups, groups * q, width).to(dtype)
-            mask = bias.masked_fill(~packed, float("-inf"))
+        mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, float("-inf"))
+        if alibi is not None:  # (R, heads, Q, L): each head's bias of each key, as its family computes it
+            span = alibi.table.shape[1]
+            # MPT's bias is relative to the last key; taken relative to each query instead (the same softmax, by
+            # shift invariance), so the keys near a query keep their precision in bfloat16
+            at = (span - 1 - self.qpos[:, 0] + cols) if alibi.from_end else cols.expand(rows, q, width)
+            bias = alibi.table[:, at.clamp(0, span - 1)].transpose(0, 1) * alibi.scale  # clamped: masked anyway
+            mask = mask + bias.to(dtype)
+        if groups > 1:  # query head h = j * G + i, packed at (j, i * Q + query)
+            lead = mask.shape[1] // groups if mask.shape[1] > 1 else 1
+            mask = mask.view(rows, lead, -1, q, width).expand(rows, lead, groups, q, width)
+            mask = mask.reshape(rows, lead, groups * q, width)
         if not torch.compiler.is_compiling():
             self.masks[key] = mask
         return mask
@@ -91,29 +96,37 @@ class Group:
 @dataclass
 class StepMeta:
     """One step, as every layer reads it. slot_mapping (tokens,): where each new token's keys and values go;
-    positions (tokens,); groups: at most two (short rows, long rows); width: the longest context in the step."""
+    positions (tokens,); groups: at most two (short rows, long rows)."""
 
     slot_mapping: torch.Tensor
     positions: torch.Tensor
     groups: list[Group]
-    width: int
+
+    @property
+    def width(self) -> int:
+        """The longest context in the step: a shape, so that a compiled graph keeps it symbolic."""
+        return max(g.slots.shape[1] for g in self.groups)
 
 
 def _kernel(q, k, v, mask, scale: float | None, softcap: float | None) -> torch.Tensor:
-    """q (R, kv, G*Q, d), k and v (R, kv, L, d) -> (R, kv, G*Q, d)."""
+    """q (R, H', Q', d), k and v (R, H', L, d), mask additive (R, 1 or H', Q', L) -> (R, H', Q', d)."""
     if softcap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     # Gemma 2's eager arithmetic: scores in the model's dtype, capped, masked, softmax in float32
     scores = torch.matmul(q, k.transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
-    scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    scores = torch.tanh(scores / softcap) * softcap + mask
     return torch.matmul(F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, meta: StepMeta, scale: float | None = None,
            window: int | None = None, softcap: float | None = None, alibi: Alibi | None = None) -> torch.Tensor:
     """query (tokens, heads, d); keys and values: one layer's pool, (slots + 2, kv, d). -> (tokens, heads, d), each
-    token attending to its own row's context: one kernel call per group."""
+    token attending to its own row's context: one kernel call per group.
+
+    A group whose queries are no longer than a head (decode and drafted rows) packs its grouped-query heads into
+    the query dimension: its mask grows G-fold, (R, 1, G * Q, L), and no K/V is expanded. A longer group (prefill
+    chunks) expands K/V to every query head instead, (R, heads, L, d): for Q > d that is the smaller of the two
+    (StarCoder's 48 heads on a 2048-token chunk: a packed mask of 48 x 2048 x L against K/V of 48 x 128 x L)."""
     tokens, heads, dim = query.shape
     kv = keys.shape[1]
     g = heads // kv
@@ -121,14 +134,23 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, meta: 
     for group in meta.groups:
         rows, q = group.index.shape
         width = group.slots.shape[1]
-        # (R, Q, kv, G, d) -> (R, kv, G * Q, d): query head h = j * G + i serves kv head j
-        qs = query.index_select(0, group.index.flatten()).view(rows, q, kv, g, dim)
-        qs = qs.permute(0, 2, 3, 1, 4).reshape(rows, kv, g * q, dim)
         flat = group.slots.flatten()  # index_select: 5x faster than indexing with a tensor on CPU
-        k = keys.index_select(0, flat).view(rows, width, kv, dim).transpose(1, 2)
+        k = keys.index_select(0, flat).view(rows, width, kv, dim).transpose(1, 2)  # (R, kv, L, d)
         v = values.index_select(0, flat).view(rows, width, kv, dim).transpose(1, 2)
-        o = _kernel(qs, k, v, group.mask(g, window, alibi, query.dtype), scale, softcap)
-        o = o.view(rows, kv, g, q, dim).permute(0, 3, 1, 2, 4).reshape(rows * q, heads, dim)
+        qs = query.index_select(0, group.index.flatten()).view(rows, q, kv, g, dim)
+        packed = g > 1 and q <= dim
+        if packed:  # (R, Q, kv, G, d) -> (R, kv, G * Q, d): query head h = j * G + i serves kv head j
+            qs = qs.permute(0, 2, 3, 1, 4).reshape(rows, kv, g * q, dim)
+        else:  # (R, heads, Q, d) against K/V repeated as HF's repeat_kv does
+            qs = qs.view(rows, q, heads, dim).transpose(1, 2)
+            if g > 1:
+                k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+        mask = group.mask(heads, g if packed else 1, window, alibi, query.dtype)
+        o = _kernel(qs, k, v, mask, scale, softcap)
+        if packed:
+            o = o.view(rows, kv, g, q, dim).permute(0, 3, 1, 2, 4).reshape(rows * q, heads, dim)
+        else:
+            o = o.transpose(1, 2).reshape(rows * q, heads, dim)
         if group.real is None:
             out.index_copy_(0, group.index.flatten(), o)
         else:

@@ -63,7 +63,7 @@ def decode_meta(pool: KvPool, tables: list[list[int]], starts: list[int], device
     write = slots[index, ends]
     write[len(tables):] = pool.scratch
     group = Group(index[:, None], slots, visible[:, None, None, :], ends[:, None, None, None], (ends + 1)[:, None])
-    return StepMeta(write, ends, [group], slots.shape[1]), rows
+    return StepMeta(write, ends, [group]), rows
 
 
 def _mark_dynamic(ids: torch.Tensor, meta: StepMeta) -> None:

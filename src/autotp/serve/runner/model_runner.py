@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from autotp.serve.lockstep.wire import Step, Work
+from autotp.serve.runner import adapters
 from autotp.serve.runner.attention import Group, StepMeta
 from autotp.serve.runner.compiled import CompiledDecode, decode_meta
 from autotp.serve.runner.paged import KvPool, PagedCache
@@ -97,8 +98,7 @@ def describe(pool: KvPool, tables: list[list[int]], work: tuple[Work, ...], shor
             slot_mapping[tokens] = slots
             groups.append(made)
     positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, counts, strict=True)])
-    return StepMeta(torch.from_numpy(slot_mapping).to(device), torch.from_numpy(positions).to(device), groups,
-                    int((starts + counts).max()))
+    return StepMeta(torch.from_numpy(slot_mapping).to(device), torch.from_numpy(positions).to(device), groups)
 
 
 class PagedBatch:
@@ -108,6 +108,7 @@ class PagedBatch:
     def __init__(self, model, pool: KvPool, short: int = 1):
         self.model, self.pool, self.short = model, pool, short
         self.device = model.device
+        adapters.install(model)  # BLOOM, Falcon, MPT: their attention modules' paged forward (once per model)
         self.implementation = Implementation(model)
         self.tables: dict[int, list[int]] = {}
         self.graph: CompiledDecode | None = None  # compile()

@@ -1,7 +1,7 @@
 """The paged engine's start-up capability check: does this model's attention reach the pool, and with what shapes.
 
 A 1-token forward with a recording cache (paged.PagedCache without a pool) on every rank: each layer's keys
-(this rank's kv_heads, head_dim, dtype) size the pool (engine.backend), and a layer whose attention never asks
+(this rank's kv_heads, head_dim, dtype) size the pool (server.backend), and a layer whose attention never asks
 the cache to attend is one the engine cannot serve. There is no other engine to fall back to: a model it cannot
 run is refused at start-up, naming what it would need.
 """
@@ -37,12 +37,20 @@ class Implementation:
             c._attn_implementation = name
 
 
+MASKS = {"full_attention", "sliding_attention"}  # causal, and causal within a window: what attention.py masks
+
+
 def probe(model) -> list[tuple[int, int, torch.dtype]]:
     """This rank's (kv_heads, head_dim, dtype) of every layer; raises where the model's attention does not reach
     the pool. Every rank calls it together: it is a forward."""
+    config = model.config
+    kinds = set(getattr(config, "layer_types", None) or ()) - MASKS
+    if kinds:  # chunked (Llama 4), linear or bidirectional layers: masks the paged attention does not make
+        raise AutotpError(f"autotp serve cannot run {config.model_type}: its layers of type {sorted(kinds)} need "
+                          f"a mask the paged attention does not make (it makes {sorted(MASKS)})")
     adapters.install(model)
     cache, device = PagedCache(None, None, 1), model.device
-    config, implementation = model.config, Implementation(model)
+    implementation = Implementation(model)
     implementation.set()
     try:
         with torch.inference_mode():
@@ -52,9 +60,11 @@ def probe(model) -> list[tuple[int, int, torch.dtype]]:
         raise AutotpError(f"autotp serve cannot run {config.model_type}: {e}") from e
     finally:
         implementation.restore()
-    if not cache.shapes or cache.attended != set(cache.shapes):
-        missed = sorted(set(cache.shapes) - cache.attended) or "every layer"
-        raise AutotpError(f"autotp serve cannot run {config.model_type}: the attention of layers {missed} neither "
-                          f"goes through transformers' AttentionInterface nor has an adapter "
-                          f"({', '.join(adapters.SUPPORTED)})")
-    return [cache.shapes[i] for i in range(len(cache.shapes))]
+    layers = sorted(set(cache.shapes) | cache.attended)
+    if not cache.shapes or cache.attended != set(cache.shapes) or layers != list(range(len(layers))):
+        missed = sorted(set(cache.shapes) ^ cache.attended)
+        raise AutotpError(f"autotp serve cannot run {config.model_type}: the attention of "
+                          f"{f'layers {missed}' if missed else 'its layers'} neither goes through transformers' "
+                          f"AttentionInterface nor has an adapter ({', '.join(adapters.SUPPORTED)}), or does not "
+                          f"store its keys and values through the cache")
+    return [cache.shapes[i] for i in layers]
