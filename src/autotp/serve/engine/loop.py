@@ -4,8 +4,8 @@ Each step rank 0 (the main thread of `autotp serve`):
 1. takes new jobs from the HTTP thread into the waiting queue (bounded: past `max_queue`, `submit` says
    "full" and the client gets 429);
 2. plans the step (planner.py): rows that leave (finished, failed, cancelled by a client that went away), and
-   what each row computes, in one forward over every row's new tokens (runner/model_runner.py), prompts starting from their
-   longest cached prefix, decoding rows with their speculative drafts;
+   what each row computes, in one forward over every row's new tokens (runner/model_runner.py), prompts
+   starting from their longest cached prefix, decoding rows with their speculative drafts;
 3. sends it (wire.py: one broadcast) and runs it on its own batch as every rank does;
 4. hands the scores to output.py, which samples, streams and answers the rows.
 

@@ -73,8 +73,8 @@ class Output:
         self.special = set(tokenizer.all_special_ids)
 
     def take(self, scores) -> dict[int, int]:
-        """A forward's scores (runner/model_runner.Scores): prompt log-probabilities first, then the next tokens. Returns,
-        for each row that ran a draft, how many of its computed tokens stand (planner.ran)."""
+        """A forward's scores (runner/model_runner.Scores): prompt log-probabilities first, then the next tokens.
+        Returns, for each row that ran a draft, how many of its computed tokens stand (planner.ran)."""
         asked = [s for s in scores.spans if self.active[s.row].job.row.prompt_logprobs]
         if asked:
             self.guarded([s.row for s in asked], lambda: self._prompt_logprobs(scores.logits, asked))

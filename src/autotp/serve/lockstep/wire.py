@@ -29,8 +29,8 @@ TIMEOUT_S = 60  # no broadcast waits longer than a heartbeat plus one step (a lo
 
 
 class Work(NamedTuple):
-    """One row's part of a step (runner/model_runner.py). A named tuple: the step is pickled every step, and a tuple's fields
-    cost no bytes on the wire."""
+    """One row's part of a step (runner/model_runner.py). A named tuple: the step is pickled every step, and a
+    tuple's fields cost no bytes on the wire."""
 
     row: int  # rank 0's row id, unique for the server's lifetime
     tokens: tuple[int, ...]  # the token ids it computes, in order
