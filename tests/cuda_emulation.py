@@ -374,8 +374,13 @@ def emulated_cuda(capability: tuple[int, int] = (8, 0), name: str = "emulated CU
 
 
 def _forget_devices() -> None:
-    """transformers caches what it found (is_torch_cuda_available and its kin): found again inside and after."""
+    """transformers caches what it found (is_torch_cuda_available and its kin): found again inside and after. So
+    does `with torch.device(...)`: its set of factory functions, first made when some earlier test (a compile)
+    entered one, holds the unpatched torch.tensor; made again, it holds the one that builds on the emulated GPU."""
+    from torch.utils._device import _device_constructors
     from transformers.utils import import_utils
+
+    _device_constructors.cache_clear()
 
     for value in vars(import_utils).values():
         if callable(getattr(value, "cache_clear", None)):

@@ -108,4 +108,4 @@ def test_a_gpu_memory_utilization_outside_0_to_1_is_refused_in_one_line(value):
     out = subprocess.run([sys.executable, "-m", "autotp", "serve", "--gpu-memory-utilization", value],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and out.stderr.splitlines() == [
-        f"autotp: error: autotp serve: argument --gpu-memory-utilization: must be in (0, 1], got {float(value)}"]
+        f"autotp: error: argument --gpu-memory-utilization: must be in (0, 1], got {float(value)}"]

@@ -193,7 +193,6 @@ OTHER_TOOLS = {
     "--max-total-tokens": ("text-generation-inference", "--max-model-len"),
     "--max-batch-prefill-tokens": ("text-generation-inference", "--max-num-batched-tokens"),
     "--max-concurrent-requests": ("text-generation-inference", "--max-queue"),
-    "--gpu-memory-utilization": ("vLLM", "--kv-cache-memory (a size per rank, e.g. 4GiB)"),
 }
 
 
