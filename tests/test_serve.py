@@ -90,6 +90,24 @@ def test_greedy_completion_equals_autotp_generate(server, model_dir):
     assert fim.choices[0].text != plain.choices[0].text
 
 
+def test_a_prompt_sent_as_token_ids_gets_the_text_of_the_same_prompt_sent_as_text(server, model_dir):
+    """OpenAI's token-id prompts through the openai client: one list of ids, and several (each with its own
+    choice), against the same prompts sent as text; echo repeats the ids' text."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    texts = ["def add(a, b):", "class Point:"]
+    ids = [tok(t).input_ids for t in texts]
+    want = [server.client.completions.create(model=server.model_id, prompt=t, max_tokens=12, temperature=0)
+            .choices[0].text for t in texts]
+    one = server.client.completions.create(model=server.model_id, prompt=ids[0], max_tokens=12, temperature=0)
+    assert one.choices[0].text == want[0] and one.usage.prompt_tokens == len(ids[0])
+    both = server.client.completions.create(model=server.model_id, prompt=ids, max_tokens=12, temperature=0,
+                                            echo=True)
+    assert [c.text for c in sorted(both.choices, key=lambda c: c.index)] == [t + w for t, w in zip(texts, want,
+                                                                                                    strict=True)]
+
+
 def streamed(server, **kwargs) -> tuple[dict[int, str], dict[int, str], list]:
     """Concatenated text and finish reason per choice index, and the usage chunks, of a streamed request."""
     texts, reasons, usages = {}, {}, []
@@ -147,6 +165,10 @@ BAD = [  # (body, status, param, message fragment)
     ({"prompt": "x", "max_tokens": 2.5}, 400, "max_tokens", "valid integer"),
     ({"prompt": 3}, 400, "prompt", "invalid prompt"),
     ({"prompt": []}, 400, "prompt", "prompt list is empty"),
+    ({"prompt": [1, 10**9]}, 400, "prompt", "token id 1000000000 is not in the vocabulary"),
+    ({"prompt": [[5, 6], [-1]]}, 400, "prompt", "token id -1 is not in the vocabulary"),
+    ({"prompt": [5, 6], "suffix": "x"}, 400, "suffix", "suffix needs a text prompt"),
+    ({"prompt": ["x", [5]]}, 400, "prompt", "valid string"),
     ({"prompt": ""}, 400, "prompt", "the prompt is empty"),
     ({"prompt": "x", "temperature": "hot"}, 400, "temperature", "valid number"),
     ({"prompt": "x", "temperature": 3}, 400, "temperature", "between 0 and 2, got 3"),

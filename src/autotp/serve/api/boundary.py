@@ -183,9 +183,19 @@ def prompt_ids(served: Served, prompt: str, suffix: str | None, max_tokens: int,
         except AutotpError:
             raise invalid("suffix", f"suffix needs fill-in-the-middle tokens, and the tokenizer of "
                                     f"{served.model_id} lacks them") from None
-    ids = tuple(served.tokenizer(prompt, add_special_tokens=not template).input_ids)
+    return checked_ids(served, tuple(served.tokenizer(prompt, add_special_tokens=not template).input_ids), max_tokens,
+                       param, budget)
+
+
+def checked_ids(served: Served, ids: tuple[int, ...], max_tokens: int, param: str = "prompt",
+                budget: str = "max_tokens") -> tuple[int, ...]:
+    """A prompt's token ids (tokenized here, or sent as ids), checked against the vocabulary, the context and the
+    KV cache."""
     if not ids:
         raise invalid(param, "the prompt is empty")
+    vocab = len(served.tokenizer)
+    if (bad := next((t for t in ids if not 0 <= t < vocab), None)) is not None:
+        raise invalid(param, f"token id {bad} is not in the vocabulary of {served.model_id} (0 to {vocab - 1})")
     if len(ids) + max_tokens > served.max_model_len:
         raise _too_long(served, str(len(ids)), max_tokens, param, budget)
     if len(ids) + max_tokens > served.kv_tokens:

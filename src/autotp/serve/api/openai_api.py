@@ -19,6 +19,7 @@ from autotp.serve.api.boundary import (
     ApiError,
     Parsed,
     Served,
+    checked_ids,
     invalid,
     parse_json,
     prompt_ids,
@@ -69,7 +70,7 @@ class Sampled(BaseModel):
 
 
 class CompletionBody(Sampled):
-    prompt: str | list[str]
+    prompt: str | list[str] | list[int] | list[list[int]]  # text, texts, token ids, lists of token ids (OpenAI's)
     suffix: str | None = None
     max_tokens: int | None = None
     echo: bool | None = None
@@ -153,17 +154,23 @@ def parse_completion(raw: bytes, served: Served) -> Parsed:
     n, checked, stop = _common(body, served, body.max_tokens, 16)  # OpenAI's default of 16 tokens
     if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
         raise invalid("logprobs", f"logprobs must be between 0 and {MAX_LOGPROBS}, got {body.logprobs}")
-    prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+    one = isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int))
+    prompts = [body.prompt] if one else body.prompt
     if not prompts:
         raise invalid("prompt", "the prompt list is empty")
     echo = bool(body.echo)
     if echo and body.suffix is not None:
         raise invalid("echo", "echo cannot be combined with suffix")
-    rows = [r for p in prompts for r in _rows(prompt_ids(served, p, body.suffix, checked.max_tokens), n, checked,
-                                               stop, body.logprobs, echo and body.logprobs is not None)]
+    if body.suffix is not None and not isinstance(prompts[0], str):
+        raise invalid("suffix", "suffix needs a text prompt: fill-in-the-middle tokens are placed around its text")
+    ids = [prompt_ids(served, p, body.suffix, checked.max_tokens) if isinstance(p, str) else
+           checked_ids(served, tuple(p), checked.max_tokens) for p in prompts]
+    rows = [r for i in ids for r in _rows(i, n, checked, stop, body.logprobs, echo and body.logprobs is not None)]
+    # what echo repeats of a prompt sent as ids: its text, decoded as the completion's is
+    texts = [p if isinstance(p, str) else served.tokenizer.decode(p, skip_special_tokens=True) for p in prompts]
     stream = bool(body.stream)
     usage = stream and body.stream_options is not None and body.stream_options.include_usage
-    return Parsed(rows, stream, Completions(served, [p for p in prompts for _ in range(n)], echo, body.logprobs,
+    return Parsed(rows, stream, Completions(served, [t for t in texts for _ in range(n)], echo, body.logprobs,
                                             usage))
 
 
