@@ -349,6 +349,8 @@ def emulated_cuda(capability: tuple[int, int] = (8, 0), name: str = "emulated CU
         (torch.cuda, "set_rng_state"): lambda state, device="cuda": rng.update(state=state.clone()),
         (torch, "Generator"): Generator,
         (torch, "inference_mode"): NoGrad,
+        (torch.Tensor, "pin_memory"): lambda self, device=None: self,  # page-locked host memory: a CUDA build's
+        (torch.Tensor, "is_pinned"): lambda self, device=None: True,
         (torch, "tensor"): _on_device(torch.tensor),
         (torch, "as_tensor"): _on_device(torch.as_tensor),
         (torch, "asarray"): _on_device(torch.asarray),

@@ -40,7 +40,7 @@ def step(heads: int, kv: int, dim: int = 8, seed: int = 0):
         tables.append(order[:blocks])
         del order[:blocks]
         work.append(Work(row, tuple(range(n)), start, (), True, n > 1))
-    meta = describe(pool, tables, tuple(work), SHORT, "cpu")
+    meta, _ = describe(pool, tables, tuple(work), SHORT, "cpu")
     tokens = sum(n for _, n in ROWS)
     query = torch.randn(tokens, heads, dim, generator=g)
     pool.keys[0].index_copy_(0, meta.slot_mapping, torch.randn(tokens, kv, dim, generator=g))

@@ -7,7 +7,7 @@ token's slot, and the rows in at most two attention groups, short queries and lo
 the positions rank 0 asked for reach the LM head (`logits_to_keep`): a sampling row's last one, every one of a
 row that wants its prompt's log-probabilities or verifies a draft.
 
-The index arithmetic is done on the host in numpy and each index tensor crosses to the device once per step.
+The index arithmetic is done on the host in numpy, and the step's index arrays cross to the device in one copy.
 Nothing here decides anything; a forward that raises leaves the rows' new slots half written, so rank 0 fails
 those rows on every rank alike and their blocks are never cached.
 """
@@ -51,10 +51,25 @@ class Scores(NamedTuple):
         return self.logits.index_select(0, index)
 
 
-def group(pool: KvPool, tables: list[list[int]], starts: np.ndarray, counts: np.ndarray, firsts: np.ndarray,
-          device) -> tuple[Group, np.ndarray, np.ndarray]:
+def ship(arrays: list[np.ndarray], device) -> list[torch.Tensor]:
+    """Host int64 arrays -> tensors on `device` in one copy (on CUDA from a pinned buffer, without a host sync):
+    a step's index arrays cross to the GPU once, not one synchronous copy each."""
+    flat = torch.from_numpy(np.concatenate([a.reshape(-1).astype(np.int64, copy=False) for a in arrays]))
+    if torch.device(device).type != "cpu":
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    out, at = [], 0
+    for a in arrays:
+        out.append(flat[at:at + a.size].view(a.shape))
+        at += a.size
+    return out
+
+
+def group(pool: KvPool, tables: list[list[int]], starts: np.ndarray, counts: np.ndarray,
+          firsts: np.ndarray) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
     """Rows computing counts[r] tokens from position starts[r], the first at index firsts[r] of the step's tokens,
-    as one attention group (attention.Group); also the tokens' step indices and slots, for the slot mapping."""
+    as one attention group, on the host: [index (R, Q), slots (R, L), qpos (R, Q), ends (R,), and where some
+    queries are padding the flat indices of the real ones and their tokens] (attention.Group); also the new tokens'
+    step indices and slots, for the slot mapping."""
     size, rows = pool.block_size, len(tables)
     q, ends = int(counts.max()), starts + counts
     width = int(ends.max())
@@ -69,36 +84,40 @@ def group(pool: KvPool, tables: list[list[int]], starts: np.ndarray, counts: np.
     real = np.arange(q)[None] < counts[:, None]  # (R, Q): not padding
     index = np.where(real, firsts[:, None] + np.arange(q)[None], firsts[:, None])
     qpos = np.where(real, starts[:, None] + np.arange(q)[None], 0)  # a padding query sees key 0 alone
-    flat = None if real.all() else np.flatnonzero(real)
     written = slots[np.nonzero(real)[0], qpos[real]]  # the new tokens' slots, in index[real] order
-
-    def on(x: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(x)).to(device)
-
-    qpos_t = on(qpos)[:, None, :, None]
-    visible = torch.arange(width, device=device) <= qpos_t  # (R, 1, Q, L)
-    made = Group(on(index), on(slots), visible, qpos_t, on(ends)[:, None],
-                 None if flat is None else on(flat), None if flat is None else on(index.reshape(-1)[flat]))
-    return made, index[real], written
+    arrays = [index, slots, qpos, ends]
+    if not real.all():
+        flat = np.flatnonzero(real)
+        arrays += [flat, index.reshape(-1)[flat]]
+    return arrays, index[real], written
 
 
-def describe(pool: KvPool, tables: list[list[int]], work: tuple[Work, ...], short: int, device) -> StepMeta:
+def describe(pool: KvPool, tables: list[list[int]], work: tuple[Work, ...], short: int, device,
+             extra: tuple[np.ndarray, ...] = ()) -> tuple[StepMeta, list[torch.Tensor]]:
     """The step's description: each new token's slot, and the rows (whose block tables are `tables`, in `work`'s
-    order) in their groups: queries of at most `short` tokens, and longer ones."""
+    order) in their groups: queries of at most `short` tokens, and longer ones. `extra` host arrays cross to the
+    device in the same copy, and come back as tensors."""
     counts = np.array([len(w.tokens) for w in work])
     starts = np.array([w.start for w in work])
     firsts = np.cumsum(counts) - counts
     slot_mapping = np.empty(int(counts.sum()), dtype=np.int64)
-    groups = []
+    parts = []
     for members in (counts <= short, counts > short):
         if members.any():
             rows = np.flatnonzero(members)
-            made, tokens, slots = group(pool, [tables[r] for r in rows], starts[rows], counts[rows], firsts[rows],
-                                        device)
+            arrays, tokens, slots = group(pool, [tables[r] for r in rows], starts[rows], counts[rows], firsts[rows])
             slot_mapping[tokens] = slots
-            groups.append(made)
+            parts.append(arrays)
     positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, counts, strict=True)])
-    return StepMeta(torch.from_numpy(slot_mapping).to(device), torch.from_numpy(positions).to(device), groups)
+    shipped = ship([slot_mapping, positions, *[a for arrays in parts for a in arrays], *extra], device)
+    slot_t, positions_t, rest = shipped[0], shipped[1], shipped[2:]
+    groups = []
+    for arrays in parts:
+        (index, slots, qpos, ends, *padding), rest = rest[:len(arrays)], rest[len(arrays):]
+        qpos = qpos[:, None, :, None]
+        visible = torch.arange(slots.shape[1], device=slots.device) <= qpos  # (R, 1, Q, L)
+        groups.append(Group(index, slots, visible, qpos, ends[:, None], *padding))
+    return StepMeta(slot_t, positions_t, groups), rest
 
 
 class PagedBatch:
@@ -165,10 +184,10 @@ class PagedBatch:
                 first = a if w.every else a + n - 1
                 spans.append(Span(w.row, w.start + first - a, len(keep), len(keep) + a + n - first, w.sample, w.draft))
                 keep += range(first, a + n)
-        meta = describe(self.pool, [self.tables[w.row] for w in work], work, self.short, self.device)
-        keep = torch.tensor(keep, device=self.device, dtype=torch.long)
+        meta, (ids_t, keep_t) = describe(self.pool, [self.tables[w.row] for w in work], work, self.short,
+                                         self.device, (np.array([ids]), np.array(keep, dtype=np.int64)))
         with torch.inference_mode():
-            return Scores(self._forward(torch.tensor([ids], device=self.device), meta, keep), spans)
+            return Scores(self._forward(ids_t, meta, keep_t), spans)
 
     def _forward(self, ids: torch.Tensor, meta: StepMeta, keep: torch.Tensor | int = 0) -> torch.Tensor:
         """ids (1, tokens) -> the scores (kept, vocab) of the positions `keep` (0: every position). The caller
