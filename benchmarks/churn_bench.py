@@ -25,8 +25,9 @@ import torch
 from common import write_json
 from servers import model_path
 
-from autotp.serve.engine.loop import Engine, Job, StopFlag
+from autotp.serve.engine.loop import Engine, StopFlag
 from autotp.serve.engine.planner import Limits
+from autotp.serve.engine.request import Request
 from autotp.serve.lockstep.wire import Channel
 from autotp.serve.runner.probe import probe
 from autotp.serve.server import backend
@@ -48,7 +49,7 @@ def measure(model, tokenizer, churn: bool, rows: int, context: int, steps: int) 
     jobs = []
 
     def submit():
-        jobs.append(Job(Row(prompt, steps + 16, 0.0, 1.0, 0), 0, lambda e: None))  # never finishes here
+        jobs.append(Request(Row(prompt, steps + 16, 0.0, 1.0, 0), 0, lambda e: None))  # never finishes here
         eng.submit([jobs[-1]])
 
     for _ in range(rows):

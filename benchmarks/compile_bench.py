@@ -48,13 +48,14 @@ def engine_run(model, batch, channel, planner, limits, rows: int, new: int) -> t
     """Rank 0: `rows` greedy rows at once on a fresh engine; (ms per decode step, each row's tokens)."""
     from transformers import AutoTokenizer
 
-    from autotp.serve.engine.loop import Engine, Job, StopFlag
+    from autotp.serve.engine.loop import Engine, StopFlag
+    from autotp.serve.engine.request import Request
     from autotp.serve.types import Row
 
     engine = Engine(batch, AutoTokenizer.from_pretrained(model.name_or_path), channel, StopFlag(), limits, 64,
                     planner=planner)
     ended = []
-    jobs = [Job(Row(tuple(PROMPT), new, 0.0, 1.0, None, (), 0, None, False), i, ended.append) for i in range(rows)]
+    jobs = [Request(Row(tuple(PROMPT), new, 0.0, 1.0, None, (), 0, None, False), i, ended.append) for i in range(rows)]
     engine.submit(jobs)
     engine.step()  # the prefill
     start, steps = time.perf_counter(), 0

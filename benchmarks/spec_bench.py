@@ -81,8 +81,9 @@ def prompts(tok, chat: bool) -> dict[str, list[list[int]]]:
 def run(model, tok, ids: list[int], k: int) -> tuple[tuple[int, ...], float, int, int]:
     """One greedy request alone on a fresh engine: its tokens, seconds, draft tokens and accepted ones."""
     from autotp.serve.api.metrics import Metrics
-    from autotp.serve.engine.loop import Engine, Job, StopFlag
+    from autotp.serve.engine.loop import Engine, StopFlag
     from autotp.serve.engine.planner import Limits
+    from autotp.serve.engine.request import Request
     from autotp.serve.lockstep.wire import Channel
     from autotp.serve.runner.probe import probe
     from autotp.serve.server import backend
@@ -93,7 +94,7 @@ def run(model, tok, ids: list[int], k: int) -> tuple[tuple[int, ...], float, int
     engine = Engine(batch, tok, Channel(), StopFlag(), limits, 16, planner=planner, speculate=k)
     engine.metrics = Metrics(lambda: 0, lambda: 0, lambda: 0.0)
     ended = []
-    job = Job(Row(tuple(ids), NEW_TOKENS, 0.0, 1.0, None, (), 0, None, False), 0, ended.append)
+    job = Request(Row(tuple(ids), NEW_TOKENS, 0.0, 1.0, None, (), 0, None, False), 0, ended.append)
     start = time.perf_counter()
     engine.submit([job])
     while not any(e[0] in ("done", "error") for e in ended):

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from autotp.serve.engine.loop import Engine, Job, StopFlag, follow
+from autotp.serve.engine.loop import Engine, StopFlag, follow
 from autotp.serve.engine.planner import Limits
+from autotp.serve.engine.request import Request
 from autotp.serve.engine.text import TextStream
 from autotp.serve.lockstep.wire import Channel, Step
 from autotp.serve.runner.probe import probe
@@ -37,12 +38,12 @@ class Recorder:
 
 def job(ids, max_tokens: int, temperature: float = 0.0, seed: int = 0, stop: tuple[str, ...] = (),
         stream: bool = False, top_p: float = 1.0, top_k: int = 0, index: int = 0, logprobs: int | None = None,
-        prompt_logprobs: bool = False) -> Job:
+        prompt_logprobs: bool = False) -> Request:
     row = Row(tuple(ids), max_tokens, temperature, top_p, seed, tuple(stop), top_k, logprobs, prompt_logprobs)
-    return Job(row, index, Recorder(), TextStream(row.stop) if stream else None, f"job{index}")
+    return Request(row, index, Recorder(), TextStream(row.stop) if stream else None, f"job{index}")
 
 
-def drive(engine: Engine, arrivals: dict[int, list[Job]], max_steps: int = 10_000,
+def drive(engine: Engine, arrivals: dict[int, list[Request]], max_steps: int = 10_000,
           on_step=None) -> int:
     """Submit arrivals[s] before step s; step until every job has ended or been cancelled (its client
     left: nobody is answered). Returns the steps taken."""
@@ -70,7 +71,7 @@ def recorded(engine: Engine) -> list[Step]:
     return sent
 
 
-def a_long_prompt_beside_decoding_rows(engine: Engine) -> tuple[list[Job], Job]:
+def a_long_prompt_beside_decoding_rows(engine: Engine) -> tuple[list[Request], Request]:
     """Three 4-token prompts decode 20 tokens each; a 45-token prompt (4 new tokens) arrives at step 3."""
     g = torch.Generator().manual_seed(1)
     short = [job(torch.randint(0, 101, (4,), generator=g).tolist(), 20, index=i) for i in range(3)]
@@ -123,8 +124,8 @@ def serve_rows(model_dir: str, tokenizer_dir: str, prompts: list[list[int]], spe
     model = autotp.from_pretrained(model_dir, check_inputs=False, quantize=quantize, group_size=group_size)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
 
-    def arrivals() -> dict[int, list[Job]]:
-        out: dict[int, list[Job]] = {}
+    def arrivals() -> dict[int, list[Request]]:
+        out: dict[int, list[Request]] = {}
         for i, (ids, (_, n, t, p, k, seed, at)) in enumerate(zip(prompts, spec, strict=True)):
             out.setdefault(at, []).append(job(ids, n, t, seed, top_p=p, top_k=k, index=i))
         return out
@@ -152,7 +153,7 @@ def failing_alike(model_dir: str, tokenizer_dir: str) -> list | None:
 
     model.model.register_forward_pre_hook(raise_once, with_kwargs=True)
 
-    def arrivals() -> dict[int, list[Job]]:
+    def arrivals() -> dict[int, list[Request]]:
         return {0: [job([5, 6, 7], 10, index=0), job([8, 9], 10, index=1)], 8: [job([5, 6, 7], 10, index=2)]}
 
     ended = run_on_ranks(model, tokenizer, arrivals)

@@ -12,6 +12,7 @@ api/ (rank 0's HTTP thread; no torch):
 
 engine/ (rank 0's decisions; never imports the runner):
 - loop.py: the step loop (continuous batching), and the other ranks' `follow`.
+- request.py: one prompt of one request, from arrival to its last token (`Request`).
 - planner.py: who computes how many tokens in which blocks this step, under the budgets (`Limits`).
 - blocks.py: the block pool and its prefix cache; no torch.
 - lookup.py: prompt-lookup drafts (speculation).

@@ -5,7 +5,7 @@ Endpoints: OpenAI's POST /v1/completions and /v1/chat/completions, GET /v1/model
 /model_info, /get_load and POST /flush_cache (router_api.py); GET /health and GET /metrics (Prometheus). guard.py
 refuses what must not reach them (Host, key, media type, size, slow reads). A request is checked by its
 protocol module in a worker thread (tokenizing a long prompt takes seconds that /health must not wait
-for), split into one Job per row and handed to the Engine; the engine's thread sends events back into
+for), split into one engine Request per row and handed to the Engine; the engine's thread sends events back into
 the event loop with `call_soon_threadsafe`. A client that goes away marks its jobs cancelled, and the
 engine ends their rows at the next step. One log line per request, on stderr.
 """
@@ -30,7 +30,8 @@ from autotp.serve.api import openai_api, router_api, tgi_api
 from autotp.serve.api.boundary import ApiError, Parsed, Served, clip, engine_error
 from autotp.serve.api.guard import Guard, ReadTimeoutH11, closing_response, read_body
 from autotp.serve.api.metrics import CONTENT_TYPE, Metrics
-from autotp.serve.engine.loop import Engine, Job
+from autotp.serve.engine.loop import Engine
+from autotp.serve.engine.request import Request as EngineRequest  # fastapi's Request is the HTTP one
 from autotp.serve.engine.text import TextStream
 from autotp.serve.types import Result, log
 
@@ -49,8 +50,8 @@ class Call:
         self.cid, self.start, self.parsed, self.metrics, self.tgi = cid, start, parsed, metrics, tgi
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue[tuple] = asyncio.Queue()
-        self.jobs = [Job(row, i, self.emit, TextStream(row.stop) if parsed.stream else None, cid, arrived=start)
-                     for i, row in enumerate(parsed.rows)]
+        self.jobs = [EngineRequest(row, i, self.emit, TextStream(row.stop) if parsed.stream else None, cid,
+                                   arrived=start) for i, row in enumerate(parsed.rows)]
         self.results: dict[int, Result] = {}
 
     def emit(self, event: tuple) -> None:  # from the engine's thread

@@ -25,9 +25,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from itertools import islice
 
 import numpy as np
@@ -37,12 +35,12 @@ from autotp import distributed
 from autotp.sampler import RowSampler, SamplingParams
 from autotp.serve.api.metrics import Metrics
 from autotp.serve.engine import lookup
-from autotp.serve.engine.output import Active, Output, describe, eos_ids
+from autotp.serve.engine.output import Output, describe, eos_ids
 from autotp.serve.engine.planner import Limits, PagedPlanner
-from autotp.serve.engine.text import TextStream
+from autotp.serve.engine.request import Request
 from autotp.serve.lockstep.watchdog import StepWatchdog, Watch
 from autotp.serve.lockstep.wire import Channel, Step
-from autotp.serve.types import Row, log
+from autotp.serve.types import log
 
 HEARTBEAT_S = 0.5  # an idle rank 0 sends an empty step this often, so a dead rank shows within seconds
 GRACE_S = 5  # a signalled worker waits this long for rank 0's "stop" before leaving on its own
@@ -91,24 +89,6 @@ class StopFlag:
         return 0.0 if self.at is None else time.monotonic() - self.at
 
 
-@dataclass
-class Job:
-    """One prompt of one request, as rank 0 tracks it. emit(event) must be thread-safe; events are
-    ("token", index, Piece) per generated token when streaming, then ("done", index, Result) or
-    ("error", index, (status, message))."""
-
-    row: Row
-    index: int
-    emit: Callable[[tuple], None]
-    stream: TextStream | None = None
-    request: str = ""  # the request's id, for the log
-    cancelled: bool = False  # set from the HTTP thread when the client goes away; read at each step
-    arrived: float = field(default_factory=time.monotonic)  # when the request came in, for the metrics
-
-    def fail(self, status: int, message: str) -> None:
-        self.emit(("error", self.index, (status, message)))
-
-
 # Draft positions per step. A draft costs compute whether it stands or not, and the rows of the short attention
 # group are padded to its longest query (attention.py), so one drafting row makes every decoding row attend with
 # 1 + K queries. Measured with the engine that gave drafted rows a call of their own (serve_bench, demo model,
@@ -129,19 +109,19 @@ class Engine:
         self.batch, self.planner = batch, planner
         self.speculate = speculate  # draft tokens per row per step (lookup.py)
         self.channel, self.stopping, self.limits, self.max_queue = channel, stopping, limits, max_queue
-        self.active: dict[int, Active] = {}
+        self.active: dict[int, Request] = {}
         # a copy of its own: the parser thread encodes with the original, and HF fast tokenizers are not
         # meant to be used from two threads at once
         self.output = Output(copy.deepcopy(tokenizer), eos_ids(batch.model), self.active)
         self.metrics = metrics
-        self.inbox: queue.Queue[Job] = queue.Queue()
-        self.waiting: deque[Job] = deque()
+        self.inbox: queue.Queue[Request] = queue.Queue()
+        self.waiting: deque[Request] = deque()
         self.next_id = 0
         self.queued = 0  # jobs in inbox + waiting, under `lock`
         self.lock = threading.Lock()  # makes "accepting" and "queued" one step, so no job is lost at shutdown
         self.accepting = True
         self.error = ""  # how this rank's last step failed, sent with the next step
-        self.failed: list[tuple[Job, str]] = []  # answered 500 once the next step reached every rank
+        self.failed: list[tuple[Request, str]] = []  # answered 500 once the next step reached every rank
         self.forwards = 0  # steps that ran a forward, numbered as every rank numbers them (watchdog.py)
         self.doing = "starting"  # what the ranks do now, for the line that says a rank died
         self.watch = Watch(0, distributed.world_size(), channel.tag())
@@ -157,7 +137,7 @@ class Engine:
         self.output.metrics = metrics
         self.planner.metrics = metrics
 
-    def submit(self, jobs: list[Job]) -> str:
+    def submit(self, jobs: list[Request]) -> str:
         """Queue a request's jobs together: "ok", "full" (the queue holds max_queue jobs) or "closed"."""
         with self.lock:
             if not self.accepting:
@@ -236,7 +216,7 @@ class Engine:
         while the main thread waits in a collective that will never end (it then ends the process)."""
         log(f"tensor-parallel ranks failed, shutting down: {why}")
         message = "the tensor-parallel ranks failed while running this request; the server is exiting"
-        for job in [a.job for a in self.active.values() if not a.done] + [j for j, _ in self.failed]:
+        for job in [a for a in self.active.values() if not a.done] + [j for j, _ in self.failed]:
             job.fail(503, message)
         if threading.current_thread() is self.watchdog:
             self._refuse_queued()
@@ -283,7 +263,7 @@ class Engine:
             lost = set(self.active) - set(self.batch.rows())
             log(f"a step of {len(lost)} rows failed; they get 500 and the server goes on: {self.error}")
             for row in lost:
-                self.failed.append((self.active.pop(row).job, f"generation failed: {self.error}"))
+                self.failed.append((self.active.pop(row), f"generation failed: {self.error}"))
                 self.planner.release(row)
             return
         self.watchdog.end()
@@ -293,19 +273,19 @@ class Engine:
     def _tokens(self, row: int) -> tuple[tuple[int, ...], list[int]]:
         """A row's prompt and generated tokens (the planner reads the spans it needs, copying neither)."""
         a = self.active[row]
-        return a.job.row.ids, a.tokens
+        return a.row.ids, a.tokens
 
     def _drafts(self) -> dict[int, tuple[int, ...]]:
         """Each decoding row's prompt-lookup draft (lookup.py), no longer than its budget leaves room for; past
         DRAFT_POSITIONS in all, the longest drafts (then the oldest rows) keep theirs and the others have none."""
         drafts = {}
         for row, a in self.active.items():
-            room = min(self.speculate, a.job.row.max_tokens - len(a.tokens) - 1)
+            room = min(self.speculate, a.row.max_tokens - len(a.tokens) - 1)
             a.draft = ()
             if a.done or not a.tokens or room <= 0:
                 continue
             if a.prompt is None:
-                a.prompt = np.asarray(a.job.row.ids, dtype=np.int64)
+                a.prompt = np.asarray(a.row.ids, dtype=np.int64)
             a.draft = lookup.draft(np.concatenate((a.prompt, np.asarray(a.tokens, dtype=np.int64))), room)
             if a.draft:
                 drafts[row] = a.draft
@@ -318,7 +298,7 @@ class Engine:
                 left -= len(drafts[row])
         return drafts
 
-    def _unqueue(self, job: Job) -> Job:
+    def _unqueue(self, job: Request) -> Request:
         with self.lock:
             self.queued -= 1
         return job
@@ -345,15 +325,16 @@ class Engine:
         job = self._unqueue(self.waiting.popleft())
         row = job.row
         params = SamplingParams(row.temperature, row.top_p, row.top_k, row.seed)
-        self.active[self.next_id] = Active(job, RowSampler(params, self.batch.device))
+        job.sampler = RowSampler(params, self.batch.device)
+        self.active[self.next_id] = job
         self.next_id += 1
         return self.next_id - 1
 
     def _plan(self) -> Step:
         for a in self.active.values():
-            if a.job.cancelled and not a.done:
+            if a.cancelled and not a.done:
                 a.done = True
-                log(f"{a.job.request} prompt {a.job.index} cancelled after {len(a.tokens)} of {a.job.row.max_tokens} "
+                log(f"{a.request_id} prompt {a.index} cancelled after {len(a.tokens)} of {a.row.max_tokens} "
                     f"tokens: the client went away")
         drop = tuple(r for r, a in self.active.items() if a.done)
         error, self.error = self.error, ""

@@ -10,12 +10,12 @@ the ranks ran the same forward, so they stay in lockstep. No collectives, no KV:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
-from autotp.sampler import RowSampler, SampleError, draws, read, sample
+from autotp.sampler import SampleError, draws, read, sample
 from autotp.serve.api.metrics import Metrics
+from autotp.serve.engine.request import Request
 from autotp.serve.engine.text import Detokenizer, added_text, cut_at_stop, first_stop
 from autotp.serve.types import Piece, Result, TokenLogprob, log
 
@@ -23,28 +23,6 @@ from autotp.serve.types import Piece, Result, TokenLogprob, log
 def describe(e: BaseException) -> str:
     """An exception as one line, the same on every rank for the same failure."""
     return f"{type(e).__name__}: {e}".splitlines()[0][:200]
-
-
-@dataclass
-class Active:
-    """A job admitted to the batch: its sampler, the tokens generated so far, the token it feeds next."""
-
-    job: object  # engine/loop.Job
-    sampler: RowSampler
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=lambda: [None])  # the first has none
-    next: int | None = None
-    done: bool = False  # finished, failed or answered: leaves at the next step
-    last: float | None = None  # when its last token came out (metrics)
-    text: Detokenizer | None = None  # its text so far, where it is needed at every token (stop strings, streams)
-    draft: tuple[int, ...] = ()  # the tokens it guesses follow `next` (lookup.py), fed after it this step
-    prompt: object = None  # its prompt ids as a numpy array, made at its first draft
-
-    def fail(self, status: int, message: str) -> None:
-        """Answer the job with an error; the row leaves at the next step."""
-        self.done = True
-        self.job.fail(status, message)
 
 
 def eos_ids(model) -> set[int]:
@@ -68,14 +46,14 @@ def token_logprobs(scores: torch.Tensor, tokens: list[int], tops: list[int]) -> 
 class Output:
     """Turns scores into tokens, text and answers for the rows in `active` (the engine's dict)."""
 
-    def __init__(self, tokenizer, eos: set[int], active: dict[int, Active], metrics: Metrics | None = None):
+    def __init__(self, tokenizer, eos: set[int], active: dict[int, Request], metrics: Metrics | None = None):
         self.tokenizer, self.eos, self.active, self.metrics = tokenizer, eos, active, metrics
         self.special = set(tokenizer.all_special_ids)
 
     def take(self, scores) -> dict[int, int]:
         """A forward's scores (runner/model_runner.Scores): prompt log-probabilities first, then the next tokens.
         Returns, for each row that ran a draft, how many of its computed tokens stand (planner.ran)."""
-        asked = [s for s in scores.spans if self.active[s.row].job.row.prompt_logprobs]
+        asked = [s for s in scores.spans if self.active[s.row].row.prompt_logprobs]
         if asked:
             self.guarded([s.row for s in asked], lambda: self._prompt_logprobs(scores.logits, asked))
         drafted = [s for s in scores.spans if s.sample and s.draft]
@@ -109,11 +87,11 @@ class Output:
         for i, token in zip(live, drawn, strict=True):
             if self._taken(self.active[rows[i]], token):
                 picked[i] = token
-        want = [i for i in picked if self.active[rows[i]].job.row.logprobs is not None]
+        want = [i for i in picked if self.active[rows[i]].row.logprobs is not None]
         logprobs: dict[int, TokenLogprob] = {}
 
         def compute() -> None:
-            tops = [self.active[rows[i]].job.row.logprobs for i in want]
+            tops = [self.active[rows[i]].row.logprobs for i in want]
             logprobs.update(zip(want, token_logprobs(scores[want], [picked[i] for i in want], tops), strict=True))
 
         self.guarded([rows[i] for i in want], compute)
@@ -122,10 +100,10 @@ class Output:
                 self._advance(self.active[rows[i]], token, logprobs.get(i))
 
     @staticmethod
-    def _taken(a: Active, token: int | SampleError) -> bool:
+    def _taken(a: Request, token: int | SampleError) -> bool:
         """Whether a row's draw gave a token; a SampleError fails the row with 500."""
         if isinstance(token, SampleError):
-            log(f"{a.job.request} prompt {a.job.index} failed: {token}")
+            log(f"{a.request_id} prompt {a.index} failed: {token}")
             a.fail(500, str(token))
             return False
         return True
@@ -158,7 +136,7 @@ class Output:
                 break
         if generator is not None:
             generator.set_state(states[used])
-        tops = active.job.row.logprobs
+        tops = active.row.logprobs
         tokens = [t for t in drawn[:used] if not isinstance(t, SampleError)]
         logprobs = token_logprobs(scores[:len(tokens)], tokens, [tops] * len(tokens)) if tops is not None else []
         accepted = 0
@@ -178,19 +156,19 @@ class Output:
         predicts the prompt's token j + 1."""
         for row, start, a, b, *_ in spans:
             active = self.active[row]
-            ids = active.job.row.ids
+            ids = active.row.ids
             positions = range(max(start, len(active.prompt_logprobs) - 1), min(start + b - a, len(ids) - 1))
             if positions:
                 targets = [ids[j + 1] for j in positions]
                 picked = logits[a + positions.start - start:a + positions.stop - start]
-                active.prompt_logprobs += token_logprobs(picked, targets, [active.job.row.logprobs or 0] * len(targets))
+                active.prompt_logprobs += token_logprobs(picked, targets, [active.row.logprobs or 0] * len(targets))
 
-    def _advance(self, a: Active, token: int, logprob: TokenLogprob | None) -> None:
+    def _advance(self, a: Request, token: int, logprob: TokenLogprob | None) -> None:
         """A row's new token: it finishes here (eos, stop string, budget) or feeds the next step."""
         a.tokens.append(token)
         if logprob is not None:
             a.logprobs.append(logprob)
-        row, job = a.job.row, a.job
+        row, job = a.row, a
         if self.metrics is not None:
             a.last = self.metrics.token(job.arrived, a.last)
         try:
@@ -221,5 +199,5 @@ class Output:
                 job.emit(("done", job.index, Result(text, reason, len(a.tokens), tuple(a.tokens), tuple(a.logprobs),
                                                     tuple(a.prompt_logprobs), stopped_by)))
         except Exception as e:  # noqa: BLE001 - rank 0's decoding, between steps: this request only
-            log(f"{job.request} prompt {job.index} failed after generating: {describe(e)}")
+            log(f"{job.request_id} prompt {job.index} failed after generating: {describe(e)}")
             a.fail(500, f"decoding the completion failed: {type(e).__name__}")
