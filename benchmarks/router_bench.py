@@ -27,7 +27,6 @@ import json
 import os
 import random
 import re
-import signal
 import subprocess
 import sys
 import sysconfig
@@ -37,7 +36,7 @@ import urllib.request
 from pathlib import Path
 
 from common import free_port
-from servers import cpus, model_id, model_path
+from servers import cpus, model_id, model_path, stop
 
 HERE = Path(__file__).parent
 FILES = ["textwrap.py", "json/decoder.py", "shlex.py", "fnmatch.py", "glob.py", "bisect.py", "base64.py",
@@ -59,21 +58,11 @@ def launch(cmd: list[str], log: Path, env: dict) -> subprocess.Popen:
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
 def wait_until(ready, proc: subprocess.Popen, log: Path, what: str) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
         if proc.poll() is not None or time.monotonic() > deadline:
-            stop(proc)
+            stop(proc, timeout=30)
             raise SystemExit(f"{what} did not start:\n{log.read_text(errors='replace')[-3000:]}")
         try:
             if ready():
@@ -223,7 +212,7 @@ def main() -> None:
                     after = counters(urls)
                 finally:
                     if proc is not None:
-                        stop(proc)
+                        stop(proc, timeout=30)
                 flat = [r for rs in records for r in rs]
                 firsts = [r["first"] for r in flat if "first" in r]
                 queries, hits = after["queries"] - before["queries"], after["hits"] - before["hits"]
@@ -236,7 +225,7 @@ def main() -> None:
                 print(f"{config}: done", file=sys.stderr, flush=True)
         finally:
             for proc, _ in replicas:
-                stop(proc)
+                stop(proc, timeout=30)
     same = len({json.dumps(t) for t in texts.values()}) == 1
     print(f"{args.model}, {cpus()} CPUs: {args.users} users x {args.requests} requests ({args.prefix_chars}-character "
           f"file + {args.grow} characters per request, {args.max_tokens} new tokens, greedy, streamed), KV cache "

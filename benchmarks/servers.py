@@ -86,11 +86,12 @@ def model_id(url: str) -> str:
         return json.loads(r.read())["data"][0]["id"]
 
 
-def stop(proc: subprocess.Popen) -> None:
+def stop(proc: subprocess.Popen, timeout: float = 60) -> None:
+    """SIGTERM the process group, SIGKILL it after `timeout` seconds."""
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
-            proc.wait(timeout=60)
+            proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
