@@ -73,7 +73,10 @@ def _compile(source: Path) -> Path:
 
 
 _arrive = None
-_unbuilt: Exception | None = None  # why the barrier could not be built: once per process, not once per group
+# Why the barrier could not be built, once per process, not once per group. Kept as text: a kept exception's
+# traceback holds the frame of the _open that raised it, and so its process group, alive past
+# destroy_process_group until interpreter teardown, where gloo's threads abort the process ("terminate called").
+_unbuilt: str | None = None
 
 
 def _barrier():
@@ -81,13 +84,13 @@ def _barrier():
     (serve opens two process groups: the second would run the compiler, and warn, again)."""
     global _arrive, _unbuilt
     if _unbuilt is not None:
-        raise _unbuilt
+        raise RuntimeError(_unbuilt)
     if _arrive is None:
         try:
             lib = ctypes.CDLL(str(_compile(Path(__file__).with_name("shm_wait.c"))))
         except Exception as e:
-            _unbuilt = e
-            raise
+            _unbuilt = f"{type(e).__name__}: {e}"
+            raise RuntimeError(_unbuilt) from None
         f = lib.autotp_shm_arrive
         f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32,
                       ctypes.c_longlong, ctypes.c_int, ctypes.c_longlong]
@@ -225,8 +228,8 @@ def _open(group: dist.ProcessGroup) -> ShmGroup | None:
     if not why:
         try:
             _barrier()
-        except Exception as e:  # noqa: BLE001 - no compiler, no writable cache: gloo serves
-            why = f"{type(e).__name__}: {e}"
+        except RuntimeError as e:  # no compiler, no writable cache: gloo serves
+            why = str(e)
     everyone = [None] * tp
     dist.all_gather_object(everyone, (_host(), why), group=group)
     if any(w for _, w in everyone) or len({h for h, _ in everyone}) > 1:
