@@ -1,6 +1,6 @@
 """Dequantize a GGUF model into a float32 safetensors checkpoint with its tokenizer (transformers' GGUF
 reader: it needs the `gguf` and `accelerate` packages, which autotp does not, so tests/real_model.py runs
-this in a virtual environment of its own).
+this with a folder holding them on PYTHONPATH).
 
     python convert_gguf.py GGUF_DIR GGUF_FILE OUT_DIR
 """
