@@ -35,7 +35,7 @@ def default_model() -> str:
 
 SPECULATE = 4  # serve --speculate (ServeOptions.speculate): benchmarks/spec_bench.py gains on prose too
 COMPILE = False  # serve --compile: benchmarks/compile_bench.py
-ATTENTION = ("auto", "sdpa", "flex")  # serve --attention (serve/runner/flex.choose)
+ATTENTION = ("sdpa", "flex")  # serve --attention, the first the default (serve/runner/flex.choose says why)
 
 
 def positive_int(text: str) -> int:
@@ -359,11 +359,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="run every decode step (each sequence one token) as one graph compiled by torch.compile "
                           "at start-up; a model the compiler cannot take is served eager, with a warning "
                           f"(default {'on' if COMPILE else 'off'})")
-    srv.add_argument("--attention", choices=ATTENTION, default="auto",
+    srv.add_argument("--attention", choices=ATTENTION, default=ATTENTION[0],
                      help="attention backend: sdpa (each row's context gathered from the KV cache, at most two "
-                          "scaled_dot_product_attention calls per layer), flex (one flex_attention call per layer "
-                          "reading the cache in place; on CPU eager, a slow reference), auto (flex on CUDA, sdpa "
-                          "elsewhere; the default)")
+                          "scaled_dot_product_attention calls per layer; the default), flex (one flex_attention "
+                          "call per layer reading the cache in place; on CPU eager, a slow reference; on CUDA "
+                          "compiled, not yet run on a GPU)")
     srv.add_argument("--max-queue", type=positive_int, default=256,
                      help="prompts waiting for room; past it requests get 429 (default 256)")
     srv.add_argument("--max-model-len", type=positive_int, help="prompt + completion tokens per request "

@@ -90,7 +90,7 @@ class ServeOptions:
     prefix_caching: bool = True
     speculate: int = 4  # prompt-lookup draft tokens per decoding row and step (cli.SPECULATE)
     compile: bool = False  # the decode step as one compiled graph (compiled.py; cli.COMPILE)
-    attention: str = "auto"  # the attention backend: auto, sdpa or flex (flex.choose)
+    attention: str = "sdpa"  # the attention backend: sdpa or flex (flex.choose)
 
 
 def _size(n: int) -> str:

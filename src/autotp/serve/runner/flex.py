@@ -48,9 +48,10 @@ _compiled = None  # flex_attention under torch.compile, made on first use
 
 
 def choose(requested: str, device: torch.device, block_size: int) -> str:
-    """The backend a server runs: `requested` (auto: flex on CUDA, sdpa elsewhere), or a one-line error."""
-    if requested == "auto":
-        requested = "flex" if device.type == "cuda" and flex_attention is not None else "sdpa"
+    """The backend a server runs, `requested`, or a one-line error where it cannot serve. sdpa is the default
+    everywhere, CUDA included, until flex's compiled CUDA kernel has run on a GPU (benchmarks/gpu_decode.py
+    --attention sdpa flex): an untried default that recompiled per step shape, or fell back to eager flex (scores
+    against the whole pool), would cost a GPU user far more than sdpa's two calls per layer."""
     if requested != "flex":
         return requested
     if flex_attention is None:
