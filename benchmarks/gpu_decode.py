@@ -2,13 +2,16 @@
 StarCoder-15.5B-shaped random bf16 model.
 
     python benchmarks/gpu_decode.py [--batch 1 16] [--new-tokens 32] [--runs 5] [--systems hf autotp engine compiled]
+                                    [--attention sdpa flex]
     torchrun --nproc-per-node 4 benchmarks/gpu_decode.py      # tp 4: autotp's systems only
 
 The model is built on each rank's GPU from its config with random weights (no checkpoint files, ~31 GB of
 HBM; every rank draws the same ones), timed as plain HF (tp 1 only), then sharded in place by
 `autotp.init_inference` and timed through HF's cache ("autotp"), then through the serve engine's paged
 step ("engine": serve/runner.py, the forward `autotp serve` runs, no scheduler or HTTP), then through
-its compiled step ("compiled": serve/compiled.py, CUDA graphs; its warm-up seconds printed). Beside
+its compiled step ("compiled": serve/compiled.py, CUDA graphs; its warm-up seconds printed), each under
+every attention backend asked for ("engine/flex": serve/runner/flex.py; compiled decode steps keep sdpa, so
+"compiled" runs once, its prefill under each backend not timed). Beside
 each number is the HBM floor: this rank's weight bytes / the device-to-device copy bandwidth measured
 here, the time one decode step needs just to read every weight once. Writes
 benchmarks/results/gpu_decode.json. One prepared run of a few minutes; fails at once without CUDA.
@@ -102,6 +105,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    parser.add_argument("--attention", nargs="+", choices=["sdpa", "flex"], default=["sdpa", "flex"],
+                        help="the serve step's attention backends to time (engine: each; compiled: the first)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("gpu_decode.py needs a CUDA GPU and torch sees none (torch.cuda.is_available() is False); "
@@ -112,6 +117,7 @@ def main() -> None:
 
     import autotp
     from autotp.serve.engine.planner import Limits
+    from autotp.serve.runner import flex
     from autotp.serve.runner.probe import probe
     from autotp.serve.server import backend
 
@@ -130,7 +136,7 @@ def main() -> None:
         rows.append({"system": system, "tp": tp, "batch": batch, "decode_ms_per_token": round(ms, 2),
                      "hbm_floor_ms": round(floor_ms, 2), "x_floor": round(ms / floor_ms, 2)})
         if rank == 0:
-            print(f"{system:>8} tp {tp} batch {batch:>3}: {ms:7.2f} ms/token  (HBM floor {floor_ms:.2f} ms, "
+            print(f"{system:>12} tp {tp} batch {batch:>3}: {ms:7.2f} ms/token  (HBM floor {floor_ms:.2f} ms, "
                   f"{ms / floor_ms:.2f}x)", flush=True)
 
     if tp == 1 and "hf" in args.systems:
@@ -141,22 +147,31 @@ def main() -> None:
         for batch in args.batch:
             report("autotp", batch, decode_ms(model, batch, args.prompt_len, args.new_tokens, args.runs))
     limits = Limits(max(args.batch), 8192, max(args.batch) * (args.prompt_len + args.new_tokens + 32))
-    paged, _ = backend(model, probe(model), limits, 16, False, rank0=False)
+    shapes = probe(model)
     warm = None
-    for system in [s for s in ("engine", "compiled") if s in args.systems]:
-        if system == "compiled":
-            warm = paged.compile()
-            paged.use_graph()
-            if rank == 0:
-                print(f"compiled the decode step in {warm:.1f} s", flush=True)
+    if "engine" in args.systems:
+        for attention in args.attention:
+            flex.choose(attention, torch.device("cuda"), 16)  # a torch without flex fails here, in one line
+            paged, _ = backend(model, shapes, limits, 16, False, rank0=False, attention=attention)
+            for batch in args.batch:
+                report(f"engine/{attention}", batch, engine_ms(paged, batch, args.prompt_len, args.new_tokens,
+                                                               args.runs))
+            del paged  # its KV pool
+    if "compiled" in args.systems:
+        paged, _ = backend(model, shapes, limits, 16, False, rank0=False, attention=args.attention[0])
+        warm = paged.compile()
+        paged.use_graph()
+        if rank == 0:
+            print(f"compiled the decode step in {warm:.1f} s", flush=True)
         for batch in args.batch:
-            report(system, batch, engine_ms(paged, batch, args.prompt_len, args.new_tokens, args.runs))
+            report("compiled", batch, engine_ms(paged, batch, args.prompt_len, args.new_tokens, args.runs))
     if rank != 0:
         return
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "tp": tp,
               "compile_warm_up_s": None if warm is None else round(warm, 1),
               "copy_bandwidth_gbs": round(bandwidth, 1),
-              "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "runs": args.runs, "rows": rows}
+              "attention": args.attention, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+              "runs": args.runs, "rows": rows}
     write_json(HERE / "results" / f"gpu_decode{'' if tp == 1 else f'_tp{tp}'}.json", result)
 
 

@@ -81,9 +81,9 @@ def a_long_prompt_beside_decoding_rows(engine: Engine) -> tuple[list[Request], R
 
 
 def engine_for(model, tokenizer, limits: Limits = ROOMY, max_queue: int = 256, caching: bool = True,
-               block_size: int = 4, speculate: int = 0) -> Engine:
+               block_size: int = 4, speculate: int = 0, attention: str = "sdpa") -> Engine:
     """tp 1: the engine `autotp serve` runs for this model."""
-    batch, planner = backend(model, probe(model), limits, block_size, caching, speculate=speculate)
+    batch, planner = backend(model, probe(model), limits, block_size, caching, speculate=speculate, attention=attention)
     return Engine(batch, tokenizer, Channel(), StopFlag(), limits, max_queue, planner=planner, speculate=speculate)
 
 

@@ -4,7 +4,7 @@ The oracle is a plain softmax(q k^T * scale + bias) v per row and query, in floa
 read from the pool by position through its block table, with the family's bias (ALiBi from the first or from
 the last key), sliding window and soft-cap written out here, not taken from the code under test. A step mixes
 decode rows, drafted rows and prefill chunks of different lengths, in multi-query, grouped-query and
-multi-head layouts.
+multi-head layouts. Both backends answer to it: sdpa (attention.py) and flex (flex.py, eager flex on CPU).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ ROWS = [(9, 1), (2, 1), (17, 1), (5, 4), (12, 4), (0, 11), (6, 9), (0, 1)]
 SHORT = 4  # 1 + a draft of 3: decode and drafted rows share one call
 
 
-def step(heads: int, kv: int, dim: int = 8, seed: int = 0):
+def step(heads: int, kv: int, dim: int = 8, seed: int = 0, backend: str = "sdpa"):
     """A pool with random keys and values, the rows' block tables (shuffled blocks), their new tokens' queries
     and keys written to their slots as `PagedCache.update` does."""
     g = torch.Generator().manual_seed(seed)
@@ -40,7 +40,7 @@ def step(heads: int, kv: int, dim: int = 8, seed: int = 0):
         tables.append(order[:blocks])
         del order[:blocks]
         work.append(Work(row, tuple(range(n)), start, (), True, n > 1))
-    meta, _ = describe(pool, tables, tuple(work), SHORT, "cpu")
+    meta, _ = describe(pool, tables, tuple(work), SHORT, "cpu", backend=backend)
     tokens = sum(n for _, n in ROWS)
     query = torch.randn(tokens, heads, dim, generator=g)
     pool.keys[0].index_copy_(0, meta.slot_mapping, torch.randn(tokens, kv, dim, generator=g))
@@ -76,11 +76,12 @@ def dense(pool, tables, query, scale, window=None, softcap=None, slopes=None, fr
 LAYOUTS = {"multi-query": (6, 1), "grouped-query": (6, 2), "multi-head": (3, 3)}
 
 
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("variant", ["plain", "window", "softcap", "alibi", "alibi-from-end"])
-def test_each_token_attends_to_its_own_rows_context_as_dense_attention_does(layout, variant):
+def test_each_token_attends_to_its_own_rows_context_as_dense_attention_does(backend, layout, variant):
     heads, kv = LAYOUTS[layout]
-    pool, tables, meta, query = step(heads, kv)
+    pool, tables, meta, query = step(heads, kv, backend=backend)
     scale = 1 / math.sqrt(8)
     slopes = torch.tensor([2 ** -(h + 1) for h in range(heads)])
     how = {"plain": {}, "window": dict(window=3), "softcap": dict(softcap=0.7)}.get(variant, {})
@@ -93,7 +94,7 @@ def test_each_token_attends_to_its_own_rows_context_as_dense_attention_does(layo
     got = attend(query, pool.keys[0], pool.values[0], meta, scale, alibi=alibi, **how)
     want = dense(pool, tables, query, scale, how.get("window"), how.get("softcap"),
                  slopes if alibi is not None else None, variant == "alibi-from-end")
-    assert len(meta.groups) == 2
+    assert len(meta.groups) == (2 if backend == "sdpa" else 0)
     torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
 
 
@@ -110,10 +111,9 @@ class Calls(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_a_step_of_32_rows_with_drafts_and_two_prefill_chunks_costs_two_calls_per_layer():
+def run_32_rows(attention: str, calls: TorchFunctionMode):
     """Through a model's forward (grouped-query: 8 query heads of 8, 2 KV heads, 2 layers): 24 decode rows, 8 rows
-    verifying a draft of 4, two prefill chunks. Two SDPA calls per layer, whatever the rows; the short rows' keys
-    have the pool's 2 KV heads, never one per query head."""
+    verifying a draft of 4, two prefill chunks, under `calls`. -> the batch (its pool) and the layer count."""
     from families import build
 
     from autotp.serve.engine.planner import Limits
@@ -122,8 +122,8 @@ def test_a_step_of_32_rows_with_drafts_and_two_prefill_chunks_costs_two_calls_pe
     from autotp.serve.server import backend
 
     model = build("llama")
-    layers = model.config.num_hidden_layers
-    batch, _ = backend(model, probe(model), Limits(64, 4096, 4096), block_size=4, rank0=False, speculate=4)
+    batch, _ = backend(model, probe(model), Limits(64, 4096, 4096), block_size=4, rank0=False, speculate=4,
+                       attention=attention)
     work, block = [], 0
     rows = [(30 + r, 1) for r in range(24)] + [(20 + r, 5) for r in range(8)] + [(0, 40), (16, 23)]
     for row, (start, n) in enumerate(rows):
@@ -131,10 +131,17 @@ def test_a_step_of_32_rows_with_drafts_and_two_prefill_chunks_costs_two_calls_pe
         work.append(Work(row, tuple(range(n)), start, tuple(range(block, block + blocks)), True, n > 1,
                          4 if n == 5 else 0))
         block += blocks
-    calls = Calls()
     with calls:
         batch.apply(Step(work=tuple(work)))
         batch.run(Step(work=tuple(work)))
+    return batch, model.config.num_hidden_layers
+
+
+def test_a_step_of_32_rows_with_drafts_and_two_prefill_chunks_costs_two_sdpa_calls_per_layer():
+    """Two SDPA calls per layer, whatever the rows; the short rows' keys have the pool's 2 KV heads, never one per
+    query head."""
+    calls = Calls()
+    _, layers = run_32_rows("sdpa", calls)
     assert len(calls.shapes) == 2 * layers
     short = [(q[:3], k[:2]) for q, k in calls.shapes if q[0] == 32]
     long = [(q[:3], k[:2]) for q, k in calls.shapes if q[0] == 2]
@@ -142,6 +149,30 @@ def test_a_step_of_32_rows_with_drafts_and_two_prefill_chunks_costs_two_calls_pe
     assert short == [((32, 2, 4 * 5), (32, 2))] * layers
     # 2 chunks of up to 40 queries, longer than a head (8): K/V expanded to the 8 query heads, not the mask 4-fold
     assert long == [((2, 8, 40), (2, 8))] * layers
+
+
+def test_the_same_step_costs_one_flex_call_per_layer_over_the_pool_in_place(monkeypatch):
+    """One flex_attention call per layer for the whole step, no SDPA call; its keys and values are the layer's
+    pool itself (same storage, the pool's 2 KV heads, every slot but the zero and scratch ones), not a copy."""
+    from autotp.serve.runner import flex
+
+    seen = []
+
+    def counted(q, k, v, **kwargs):
+        seen.append((tuple(q.shape), tuple(k.shape), k.untyped_storage().data_ptr(),
+                     v.untyped_storage().data_ptr(), kwargs["enable_gqa"]))
+        return flex_attention(q, k, v, **kwargs)
+
+    flex_attention = flex.flex_attention
+    monkeypatch.setattr(flex, "flex_attention", counted)
+    calls = Calls()
+    batch, layers = run_32_rows("flex", calls)
+    pool = batch.pool
+    tokens = 24 + 8 * 5 + 40 + 23
+    assert calls.shapes == []
+    assert [s[:2] for s in seen] == [((1, 8, tokens, 8), (1, 2, pool.slots, 8))] * layers
+    assert [s[2:] for s in seen] == [(pool.keys[i].untyped_storage().data_ptr(),
+                                      pool.values[i].untyped_storage().data_ptr(), True) for i in range(layers)]
 
 
 def test_a_model_whose_layers_need_another_mask_is_refused_naming_them():

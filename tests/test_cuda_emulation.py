@@ -322,8 +322,9 @@ def test_the_steps_host_sync_is_inside_the_watchdogs_window():
 
 def test_the_gpu_benchmark_runs_its_eager_systems_under_the_emulation(monkeypatch, tmp_path, capsys):
     """benchmarks/gpu_decode.py, prepared to run in one call on a GPU: its eager systems (plain HF, autotp's
-    sharded model, the serve engine's paged step) on a StarCoder-shaped model shrunk to run here. The compiled
-    one needs a real GPU (CUDA graphs; the compiler does not take the emulated tensors)."""
+    sharded model, the serve engine's paged step under sdpa) on a StarCoder-shaped model shrunk to run here. The
+    compiled step and the flex backend need a real GPU (CUDA graphs, flex's compiled kernel: the compiler does not
+    take the emulated tensors)."""
     import json
     import sys
     from pathlib import Path
@@ -336,11 +337,12 @@ def test_the_gpu_benchmark_runs_its_eager_systems_under_the_emulation(monkeypatc
     monkeypatch.setattr(gpu_decode, "copy_bandwidth_gbs", lambda: 100.0)  # 4 GiB of copies on this host otherwise
     monkeypatch.setattr(gpu_decode, "HERE", tmp_path)
     monkeypatch.setattr(sys, "argv", ["gpu_decode.py", "--batch", "1", "2", "--new-tokens", "3", "--runs", "1",
-                                      "--prompt-len", "8", "--systems", "hf", "autotp", "engine"])
+                                      "--prompt-len", "8", "--systems", "hf", "autotp", "engine",
+                                      "--attention", "sdpa"])
     monkeypatch.setenv("WORLD_SIZE", "1")  # as gpu_decode sets it, and gone again after the test
     with emulated_cuda():
         gpu_decode.main()
     result = json.loads((tmp_path / "results" / "gpu_decode.json").read_text())
     assert [(r["system"], r["batch"]) for r in result["rows"]] == [
-        ("hf", 1), ("hf", 2), ("autotp", 1), ("autotp", 2), ("engine", 1), ("engine", 2)]
+        ("hf", 1), ("hf", 2), ("autotp", 1), ("autotp", 2), ("engine/sdpa", 1), ("engine/sdpa", 2)]
     assert result["device"] == "emulated CUDA device" and "ms/token" in capsys.readouterr().out

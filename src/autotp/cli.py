@@ -35,6 +35,7 @@ def default_model() -> str:
 
 SPECULATE = 4  # serve --speculate (ServeOptions.speculate): benchmarks/spec_bench.py gains on prose too
 COMPILE = False  # serve --compile: benchmarks/compile_bench.py
+ATTENTION = ("sdpa", "flex")  # serve --attention, the first the default (serve/runner/flex.choose says why)
 
 
 def positive_int(text: str) -> int:
@@ -254,7 +255,8 @@ def cmd_serve(args) -> int:
                         device=args.device, quantize=args.quantize, group_size=args.group_size,
                         max_body_bytes=args.max_body_bytes, read_timeout=args.read_timeout,
                         allowed_hosts=args.allowed_hosts, api_key=key, block_size=args.block_size,
-                        prefix_caching=args.prefix_caching, speculate=args.speculate, compile=args.compile)
+                        prefix_caching=args.prefix_caching, speculate=args.speculate, compile=args.compile,
+                        attention=args.attention)
     return serve(args.model or default_model(), model_id=args.model or DEMO_ID, opts=opts)
 
 
@@ -357,6 +359,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="run every decode step (each sequence one token) as one graph compiled by torch.compile "
                           "at start-up; a model the compiler cannot take is served eager, with a warning "
                           f"(default {'on' if COMPILE else 'off'})")
+    srv.add_argument("--attention", choices=ATTENTION, default=ATTENTION[0],
+                     help="attention backend: sdpa (each row's context gathered from the KV cache, at most two "
+                          "scaled_dot_product_attention calls per layer; the default), flex (one flex_attention "
+                          "call per layer reading the cache in place; on CPU eager, a slow reference; on CUDA "
+                          "compiled, not yet run on a GPU)")
     srv.add_argument("--max-queue", type=positive_int, default=256,
                      help="prompts waiting for room; past it requests get 429 (default 256)")
     srv.add_argument("--max-model-len", type=positive_int, help="prompt + completion tokens per request "

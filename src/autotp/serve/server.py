@@ -16,7 +16,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch.distributed as dist
@@ -36,8 +36,7 @@ from autotp.serve.engine.blocks import BlockPool
 from autotp.serve.engine.loop import Engine, StopFlag, follow
 from autotp.serve.engine.planner import Limits, PagedPlanner
 from autotp.serve.lockstep.wire import Channel, Step
-from autotp.serve.runner import budget
-from autotp.serve.runner.attention import BACKEND as ATTENTION_BACKEND
+from autotp.serve.runner import budget, flex
 from autotp.serve.runner.compiled import cache_dir
 from autotp.serve.runner.model_runner import PagedBatch
 from autotp.serve.runner.paged import KvPool
@@ -91,6 +90,7 @@ class ServeOptions:
     prefix_caching: bool = True
     speculate: int = 4  # prompt-lookup draft tokens per decoding row and step (cli.SPECULATE)
     compile: bool = False  # the decode step as one compiled graph (compiled.py; cli.COMPILE)
+    attention: str = "sdpa"  # the attention backend: sdpa or flex (flex.choose)
 
 
 def _size(n: int) -> str:
@@ -108,12 +108,23 @@ class Backend:
 
 
 def backend(model, shapes, limits: Limits, block_size: int = 16, caching: bool = True, rank0: bool = True,
-            speculate: int = 0) -> tuple[PagedBatch, PagedPlanner | None]:
+            speculate: int = 0, attention: str = "sdpa") -> tuple[PagedBatch, PagedPlanner | None]:
     """This rank's batch and, on rank 0, its planner. shapes: probe.probe's; the pool holds limits.kv_tokens //
-    block_size blocks; speculate: the longest draft, so decode and drafted rows share one attention call."""
+    block_size blocks; speculate: the longest draft, so decode and drafted rows share one attention call;
+    attention: the backend, sdpa or flex, already chosen (flex.choose)."""
     blocks = limits.kv_tokens // block_size
-    batch = PagedBatch(model, KvPool(shapes, blocks, block_size, model.device), short=1 + speculate)
+    batch = PagedBatch(model, KvPool(shapes, blocks, block_size, model.device), short=1 + speculate,
+                       attention=attention)
     return batch, PagedPlanner(BlockPool(blocks, block_size, caching), limits) if rank0 else None
+
+
+# (backend, on CUDA) -> what the start-up line says of it
+HOW = {("sdpa", False): "at most two kernel calls per layer and step",
+       ("sdpa", True): "at most two kernel calls per layer and step",
+       ("flex", True): "one compiled flex_attention call per layer and step over the pool in place; compiled decode "
+                       "steps keep sdpa",
+       ("flex", False): "one eager flex_attention call per layer and step, which materializes scores against the "
+                        "whole pool: a reference for small pools, slower than sdpa"}
 
 
 def _backend(net, channel: Channel, env, opts: ServeOptions, max_model_len: int | None) -> Backend:
@@ -130,6 +141,7 @@ def _backend(net, channel: Channel, env, opts: ServeOptions, max_model_len: int 
     sized_by = budget.sized_by(opts.kv_cache_memory, free, per_token, opts.max_num_seqs, max_model_len, env.device,
                                opts.gpu_memory_utilization)
     budget.check_fits(tokens, per_token, opts.kv_cache_memory, opts.block_size)
+    attention = opts.attention  # chosen in serve(), before the weights are read
     tokens -= tokens % opts.block_size  # whole blocks
     if env.rank == 0:
         short = (f", less than the context of {max_model_len}: longer requests are refused"
@@ -139,9 +151,10 @@ def _backend(net, channel: Channel, env, opts: ServeOptions, max_model_len: int 
                   f"{f'up to {opts.speculate} tokens' if opts.speculate else 'off'}")
         log(f"KV cache: {tokens} tokens per rank ({_size(tokens * per_token)} at {per_token} bytes per token, "
             f"sized by {sized_by}; {layout}){short}")
-        log(f"attention: {ATTENTION_BACKEND} on {env.device.type} (at most two kernel calls per layer and step)")
+        log(f"attention: {attention} on {env.device.type} ({HOW[attention, env.device.type == 'cuda']})")
     limits = Limits(opts.max_num_seqs, opts.max_num_batched_tokens, tokens)
-    batch, planner = backend(net, shapes, limits, opts.block_size, opts.prefix_caching, env.rank == 0, opts.speculate)
+    batch, planner = backend(net, shapes, limits, opts.block_size, opts.prefix_caching, env.rank == 0, opts.speculate,
+                             attention)
     return Backend(limits, batch, planner)
 
 
@@ -173,6 +186,7 @@ def serve(model: str, model_id: str, opts: ServeOptions = ServeOptions()) -> int
         raise AutotpError(f"--max-num-batched-tokens {opts.max_num_batched_tokens} is less than --max-num-seqs "
                           f"{opts.max_num_seqs}: every running row decodes one token per step")
     env = distributed.init(opts.device)
+    opts = replace(opts, attention=flex.choose(opts.attention, env.device, opts.block_size))  # every rank alike
     channel = Channel()
     sock, error = None, None
     if env.rank == 0:

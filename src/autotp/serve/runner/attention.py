@@ -19,16 +19,21 @@ masked `enable_gqa=True` call falls back to.
 Biases and soft-capping ride the same calls: ALiBi (`Alibi`) is an additive float mask built from the bias
 table the family's own forward computed (its slopes, its dtype); logit soft-capping (Gemma 2) takes an
 explicit score path with HF's eager arithmetic, since SDPA has no soft-cap.
+
+This is the `sdpa` backend. A step described for the `flex` backend (flex.py) carries a `FlexStep` instead of
+groups, and `attend` hands it the layer: one flex_attention call over the pool in place.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-BACKEND = "sdpa"  # the one backend today: torch's scaled_dot_product_attention over K/V gathered by slot
+if TYPE_CHECKING:
+    from autotp.serve.runner.flex import FlexStep
 
 
 @dataclass
@@ -96,15 +101,19 @@ class Group:
 @dataclass
 class StepMeta:
     """One step, as every layer reads it. slot_mapping (tokens,): where each new token's keys and values go;
-    positions (tokens,); groups: at most two (short rows, long rows)."""
+    positions (tokens,); groups: at most two (short rows, long rows), or none where flex (the flex backend's
+    description) says it all."""
 
     slot_mapping: torch.Tensor
     positions: torch.Tensor
     groups: list[Group]
+    flex: FlexStep | None = None
 
     @property
     def width(self) -> int:
-        """The longest context in the step: a shape, so that a compiled graph keeps it symbolic."""
+        """The longest context in the step: for sdpa a shape, so that a compiled graph keeps it symbolic."""
+        if self.flex is not None:
+            return self.flex.width
         return max(g.slots.shape[1] for g in self.groups)
 
 
@@ -126,7 +135,10 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, meta: 
     A group whose queries are no longer than a head (decode and drafted rows) packs its grouped-query heads into
     the query dimension: its mask grows G-fold, (R, 1, G * Q, L), and no K/V is expanded. A longer group (prefill
     chunks) expands K/V to every query head instead, (R, heads, L, d): for Q > d that is the smaller of the two
-    (StarCoder's 48 heads on a 2048-token chunk: a packed mask of 48 x 2048 x L against K/V of 48 x 128 x L)."""
+    (StarCoder's 48 heads on a 2048-token chunk: a packed mask of 48 x 2048 x L against K/V of 48 x 128 x L).
+    A step described for flex is one flex call instead (flex.FlexStep.attend)."""
+    if meta.flex is not None:
+        return meta.flex.attend(query, keys, values, scale, window, softcap, alibi)
     tokens, heads, dim = query.shape
     kv = keys.shape[1]
     g = heads // kv

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from autotp.serve.lockstep.wire import Step, Work
-from autotp.serve.runner import adapters
+from autotp.serve.runner import adapters, flex
 from autotp.serve.runner.attention import Group, StepMeta
 from autotp.serve.runner.compiled import CompiledDecode, decode_meta
 from autotp.serve.runner.paged import KvPool, PagedCache
@@ -93,12 +93,15 @@ def group(pool: KvPool, tables: list[list[int]], starts: np.ndarray, counts: np.
 
 
 def describe(pool: KvPool, tables: list[list[int]], work: tuple[Work, ...], short: int, device,
-             extra: tuple[np.ndarray, ...] = ()) -> tuple[StepMeta, list[torch.Tensor]]:
+             extra: tuple[np.ndarray, ...] = (), backend: str = "sdpa") -> tuple[StepMeta, list[torch.Tensor]]:
     """The step's description: each new token's slot, and the rows (whose block tables are `tables`, in `work`'s
-    order) in their groups: queries of at most `short` tokens, and longer ones. `extra` host arrays cross to the
-    device in the same copy, and come back as tensors."""
+    order) in their groups: queries of at most `short` tokens, and longer ones; for the flex backend, the rows as
+    flex reads them instead (flex.FlexStep). `extra` host arrays cross to the device in the same copy, and come
+    back as tensors."""
     counts = np.array([len(w.tokens) for w in work])
     starts = np.array([w.start for w in work])
+    if backend == "flex":
+        return _describe_flex(pool, tables, starts, counts, device, extra)
     firsts = np.cumsum(counts) - counts
     slot_mapping = np.empty(int(counts.sum()), dtype=np.int64)
     parts = []
@@ -120,12 +123,23 @@ def describe(pool: KvPool, tables: list[list[int]], work: tuple[Work, ...], shor
     return StepMeta(slot_t, positions_t, groups), rest
 
 
+def _describe_flex(pool: KvPool, tables: list[list[int]], starts: np.ndarray, counts: np.ndarray, device,
+                   extra: tuple[np.ndarray, ...]) -> tuple[StepMeta, list[torch.Tensor]]:
+    """describe() for the flex backend: the tokens are in step order already, so positions are flex's qpos."""
+    arrays, written, width = flex.describe(pool.block_size, pool.num_blocks, tables, starts, counts)
+    shipped = ship([written, *arrays, *extra], device)
+    slot_t, (rows, qpos, table, logical, kv_num_blocks, kv_indices), rest = shipped[0], shipped[1:7], shipped[7:]
+    step = flex.FlexStep(rows, qpos, table, logical, kv_num_blocks, kv_indices, pool.block_size, pool.slots, width)
+    return StepMeta(slot_t, qpos, [], step), rest
+
+
 class PagedBatch:
     """One rank's rows: their block tables (see the module docstring). short: the longest query the short
-    attention group takes (1 + the draft length: decode and drafted rows share one call)."""
+    attention group takes (1 + the draft length: decode and drafted rows share one call); attention: the backend
+    its steps are described for, sdpa or flex (flex.choose)."""
 
-    def __init__(self, model, pool: KvPool, short: int = 1):
-        self.model, self.pool, self.short = model, pool, short
+    def __init__(self, model, pool: KvPool, short: int = 1, attention: str = "sdpa"):
+        self.model, self.pool, self.short, self.attention = model, pool, short, attention
         self.device = model.device
         adapters.install(model)  # BLOOM, Falcon, MPT: their attention modules' paged forward (once per model)
         self.implementation = Implementation(model)
@@ -185,7 +199,8 @@ class PagedBatch:
                 spans.append(Span(w.row, w.start + first - a, len(keep), len(keep) + a + n - first, w.sample, w.draft))
                 keep += range(first, a + n)
         meta, (ids_t, keep_t) = describe(self.pool, [self.tables[w.row] for w in work], work, self.short,
-                                         self.device, (np.array([ids]), np.array(keep, dtype=np.int64)))
+                                         self.device, (np.array([ids]), np.array(keep, dtype=np.int64)),
+                                         self.attention)
         with torch.inference_mode():
             return Scores(self._forward(ids_t, meta, keep_t), spans)
 

@@ -37,8 +37,9 @@ class KvPool:
         self.keys, self.values = [], []
         for heads, dim, dtype in shapes:
             for store in (self.keys, self.values):
-                t = torch.empty(self.slots + 2, heads, dim, dtype=dtype, device=device)
-                t[self.slots].zero_()
+                # zeros, not empty: flex reads slots no token has written yet (a row's partly filled last block;
+                # eager flex, the whole pool), masked to a weight of 0, and 0 * NaN from uninitialized memory is NaN
+                t = torch.zeros(self.slots + 2, heads, dim, dtype=dtype, device=device)
                 if t.is_cuda:  # the compiled step writes into it: CUDA graphs need its address fixed
                     torch._dynamo.mark_static_address(t)
                 store.append(t)
