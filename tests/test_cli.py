@@ -265,6 +265,7 @@ def test_plan_of_every_familys_checkpoint(family_checkpoint, capsys):
         assert capsys.readouterr().out.startswith(f"{model_dir}: {FAMILIES[name][0]} ("), name
 
 
+@pytest.mark.slow
 def test_generate_on_every_familys_checkpoint_matches_the_unsharded_model(tmp_path, family_checkpoint):
     """`autotp generate --input-ids ... --json` at tp 3 on each family's tiny checkpoint, all in one torchrun
     (tests/family_cli.py): greedy ids equal the unsharded HF model's, no text (there is no tokenizer), and

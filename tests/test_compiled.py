@@ -21,6 +21,8 @@ from autotp.generate import generate
 from autotp.serve.runner.compiled import bucket, decode_meta
 from autotp.serve.runner.paged import KvPool
 
+pytestmark = pytest.mark.slow  # every test here compiles or loads the real model (conftest: slow)
+
 DEMO = str(__import__("pathlib").Path(__import__("autotp").__file__).parent / "demo_model")
 
 

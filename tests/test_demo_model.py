@@ -42,6 +42,7 @@ def tp1():
     return greedy_completions(default_model())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [2, 3, 4])
 def test_demo_completions_are_identical_at_every_tp(pools, tp1, tp):
     results = pools(tp).run(greedy_completions, default_model())

@@ -25,6 +25,7 @@ def autotp(*args, timeout=180):
     return run([sys.executable, "-m", "autotp", *args], timeout=timeout)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_generate_tp_2_prints_the_tokens_of_one_process():
     alone = autotp("generate", "--prompt", PROMPT, "--max-new-tokens", "24")
@@ -41,6 +42,7 @@ def plain(log: str) -> list[str]:
     return [line for line in log.splitlines() if line.strip() and not line.startswith("autotp")]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_two_servers_with_tp_2_on_one_host_serve_then_stop(tmp_path):
     """Both start (each launch opens its rendezvous on a port the OS picks), both answer the openai client. SIGTERM

@@ -14,6 +14,8 @@ from tasks import greedy_ids
 import autotp
 from autotp.generate import generate
 
+pytestmark = pytest.mark.slow  # every test here compiles or loads the real model (conftest: slow)
+
 PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef list_files(path):\n", "class Stack:\n    def __init__(self):"]
 NEW_TOKENS = 16
 QUANTIZED_NEW_TOKENS = 8  # torch's int4 CPU kernel decodes one row ~30x slower than float32

@@ -46,6 +46,7 @@ def test_a_refusal_is_said_once_when_rank_0_is_the_slowest(tmp_path, args, line)
     assert len(said) == 1 and said[0].startswith(line), out.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_every_refusal_is_said_once_beside_a_busy_process():
     """Each refusal once at tp 2 (the ranks' order left to the scheduler; the slow rank 0 is forced above)."""
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])

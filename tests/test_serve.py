@@ -471,6 +471,7 @@ def test_without_a_compiler_serve_warns_once(model_dir, tmp_path):
         s.kill()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("ranks, failing", [(2, 1), (3, 2), (2, 0)])
 def test_a_forward_that_fails_on_one_rank_only_gets_503_within_seconds(model_dir, tmp_path, ranks, failing):
@@ -513,6 +514,7 @@ def test_startup_errors_are_one_line(model_dir, args, message):
     assert out.returncode == 2 and out.stderr.strip().startswith(f"autotp: error: {message}"), out.stderr
 
 
+@pytest.mark.slow
 def test_serve_on_every_familys_checkpoint(tmp_path, family_checkpoint):
     """`autotp serve --tokenizer WORDS` at tp 2 on each family's tiny checkpoint, all in one torchrun
     (tests/family_serve.py): its start-up (context rule, tokenizer, KV measurement) and a greedy completion,

@@ -132,6 +132,7 @@ def _hub_env(hub: StandinHub, home: Path) -> dict:
     return {**env, "HF_ENDPOINT": hub.url, "HF_HOME": str(home)}
 
 
+@pytest.mark.slow
 def test_hub_id_on_an_empty_cache_downloads_once_while_the_other_rank_waits(tmp_path):
     """A slow first download (longer than the process-group timeout) at tp 2: one download, both ranks load."""
     with _demo_hub(delay_s=12) as hub:
@@ -189,6 +190,7 @@ def _silent_hub_line(hub: SilentHub, repo_id: str, timeout_s: int) -> str:
             "(AUTOTP_HUB_TIMEOUT; HF_ENDPOINT names the hub, HF_HUB_OFFLINE=1 uses the cache only)")
 
 
+@pytest.mark.slow
 def test_a_hub_that_never_answers_is_one_line_naming_it(tmp_path, family_checkpoint):
     """A proxy that takes connections and then stalls: huggingface_hub's repo_info waits forever on it. `autotp
     plan`, `autotp generate` at tp 2 and a --tokenizer hub id each stop with one line naming the endpoint."""
