@@ -57,7 +57,8 @@ def sources(count: int = 4) -> list[str]:
     return ["\n".join(f.read_text().splitlines()[100:160]) + "\n" for f in files[:count]]
 
 
-def prompts(tok, chat: bool) -> dict[str, list[list[int]]]:
+def prompts(tok, chat: bool, count: int = 4) -> dict[str, list[list[int]]]:
+    """The workloads' prompts, `count` edits (the other workloads have four)."""
     def ask(text: str, start: str = "") -> list[int]:
         if not chat:
             return tok(text + start).input_ids
@@ -66,7 +67,7 @@ def prompts(tok, chat: bool) -> dict[str, list[list[int]]]:
         return list(ids) + tok(start).input_ids
 
     edit = []
-    for source, name in functions():
+    for source, name in functions(count):
         renamed = f"{name}_renamed"
         first = source.splitlines()[0].replace(name, renamed, 1)
         if chat:
