@@ -46,6 +46,14 @@ class Alibi:
     from_end: bool = False
     scale: float = 1.0
 
+    def column(self, key: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+        """The table column of the key at position `key` seen from a query at position `query` (broadcasting),
+        clamped into the table (a column out of it is masked anyway). MPT's bias is relative to the last key; taken
+        relative to each query instead (the same softmax, by shift invariance), so the keys near a query keep their
+        precision in bfloat16."""
+        span = self.table.shape[1]
+        return (span - 1 - query + key if self.from_end else key).clamp(0, span - 1)
+
 
 @dataclass
 class Group:
@@ -83,11 +91,8 @@ class Group:
         rows, _, q, width = visible.shape
         mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, float("-inf"))
         if alibi is not None:  # (R, heads, Q, L): each head's bias of each key, as its family computes it
-            span = alibi.table.shape[1]
-            # MPT's bias is relative to the last key; taken relative to each query instead (the same softmax, by
-            # shift invariance), so the keys near a query keep their precision in bfloat16
-            at = (span - 1 - self.qpos[:, 0] + cols) if alibi.from_end else cols.expand(rows, q, width)
-            bias = alibi.table[:, at.clamp(0, span - 1)].transpose(0, 1) * alibi.scale  # clamped: masked anyway
+            at = alibi.column(cols, self.qpos[:, 0]).expand(rows, q, width)
+            bias = alibi.table[:, at].transpose(0, 1) * alibi.scale
             mask = mask + bias.to(dtype)
         if groups > 1:  # query head h = j * G + i, packed at (j, i * Q + query)
             lead = mask.shape[1] // groups if mask.shape[1] > 1 else 1

@@ -143,11 +143,7 @@ class FlexStep:
             if softcap is not None:  # Gemma 2: tanh(s / cap) * cap
                 score = torch.tanh(score / softcap) * softcap
             if alibi is not None:
-                span = alibi.table.shape[1]
-                col = self.position(kv)
-                if alibi.from_end:  # MPT: relative to the last key; taken relative to the query (attention.Group.mask)
-                    col = span - 1 - self.qpos[q] + col
-                score = score + alibi.table[h, col.clamp(0, span - 1)] * alibi.scale
+                score = score + alibi.table[h, alibi.column(self.position(kv), self.qpos[q])] * alibi.scale
             return score
 
         return mod
