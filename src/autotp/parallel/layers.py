@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from autotp.parallel import gemv
 from autotp.parallel.collectives import all_gather_last_dim, all_reduce_sum
 from autotp.quant.weights import QuantizedWeight
 
@@ -32,7 +33,7 @@ class ColwiseLinear(nn.Linear):
         if isinstance(self.weight, QuantizedWeight):
             y = self.weight.linear(x)
             return y if self.bias is None else y + self.bias
-        return F.linear(x, self.linear_weight(), self.bias)
+        return gemv.linear(x, self.linear_weight(), self.bias)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, out_features_global={self.out_features_global}"
@@ -57,9 +58,9 @@ class RowwiseLinear(nn.Linear):
         if isinstance(self.weight, QuantizedWeight):
             y = all_reduce_sum(self.weight.linear(x), self.group)
         elif self.group is None:  # one rank: nothing to reduce, so keep the fused matmul + bias
-            return F.linear(x, self.linear_weight(), self.bias)
+            return gemv.linear(x, self.linear_weight(), self.bias)
         else:
-            y = all_reduce_sum(F.linear(x, self.linear_weight()), self.group)
+            y = all_reduce_sum(gemv.linear(x, self.linear_weight()), self.group)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
@@ -141,7 +142,7 @@ class VocabParallelLMHead(nn.Linear):
         # x (..., hidden) as (tokens, hidden): generate keeps the last position, a (1, 1, hidden) view with the
         # strides of (1, prompt, hidden), and F.linear on that view copied the whole bf16 weight for the product
         # (+48 MiB peak per rank for starcoderbase-1b at tp 4; 7 MiB on the 2-D view): issue 26's memory
-        y = super().forward(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
+        y = gemv.linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias).view(*x.shape[:-1], self.out_features)
         return all_gather_last_dim(y, self.vocab_sizes, self.group)
 
     def extra_repr(self) -> str:

@@ -26,18 +26,17 @@ a crash included: the memory goes with the last process that maps it.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import mmap
 import os
-import platform
 import socket
-import subprocess
 import uuid
 import weakref
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from autotp.parallel import native
 
 SLOT_BYTES = 2 << 20  # a 512-token prefill's all-reduce at hidden 1024 in float32 goes in one piece
 HEADER = 4096
@@ -56,22 +55,6 @@ class PeerGone(RuntimeError):
         self.rank, self.pid = rank, pid
 
 
-def _compile(source: Path) -> Path:
-    """The barrier's shared library, built once per source version into the user's cache."""
-    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "autotp"
-    lib = cache / f"shm_wait-{digest}-{platform.machine()}.so"
-    if not lib.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        partial = lib.with_name(f"{lib.name}.{os.getpid()}")  # every rank may build at once: rename is atomic
-        done = subprocess.run([os.environ.get("CC", "cc"), "-O2", "-shared", "-fPIC", "-o", str(partial),
-                               str(source)], capture_output=True, text=True, timeout=120)
-        if done.returncode:
-            raise RuntimeError(f"the C compiler failed: {(done.stderr or done.stdout).strip()[:200]}")
-        os.replace(partial, lib)
-    return lib
-
-
 _arrive = None
 # Why the barrier could not be built, once per process, not once per group. Kept as text: a kept exception's
 # traceback holds the frame of the _open that raised it, and so its process group, alive past
@@ -87,7 +70,7 @@ def _barrier():
         raise RuntimeError(_unbuilt)
     if _arrive is None:
         try:
-            lib = ctypes.CDLL(str(_compile(Path(__file__).with_name("shm_wait.c"))))
+            lib = ctypes.CDLL(str(native.build(Path(__file__).with_name("shm_wait.c"))))
         except Exception as e:
             _unbuilt = f"{type(e).__name__}: {e}"
             raise RuntimeError(_unbuilt) from None

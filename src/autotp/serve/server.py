@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 import autotp
@@ -27,6 +28,7 @@ from autotp.errors import AutotpError
 from autotp.generate import context_limit
 from autotp.hub import TOKENIZER_FILES, load_config, resolve_model_dir
 from autotp.loading.checkpoint import Checkpoint
+from autotp.parallel import gemv
 from autotp.serve.api import router_api
 from autotp.serve.api.boundary import Served
 from autotp.serve.api.guard import host_policy
@@ -158,6 +160,16 @@ def _backend(net, channel: Channel, env, opts: ServeOptions, max_model_len: int 
     return Backend(limits, batch, planner)
 
 
+def _kernels(net, env) -> None:
+    """float32 weights on CPU: few-row products through gemv.c (parallel/gemv.py), unless AUTOTP_GEMV=0; rank 0
+    says which kernel reads the weights."""
+    if env.device.type != "cpu" or next(net.parameters()).dtype != torch.float32:
+        return
+    why = "AUTOTP_GEMV=0" if os.environ.get("AUTOTP_GEMV", "1") == "0" else gemv.enable()
+    if env.rank == 0:
+        log(f"float32 products of up to {gemv.ROWS} rows: {'torch F.linear (' + why + ')' if why else 'gemv.c'}")
+
+
 def _compile(batch: PagedBatch, channel: Channel, env) -> None:
     """The compiled decode step on every rank, or on none: rank 0 says how long warm-up took (the slowest
     rank's), or in one line why every step stays eager."""
@@ -213,6 +225,7 @@ def serve(model: str, model_id: str, opts: ServeOptions = ServeOptions()) -> int
         # ranks finish loading at different times: wait here under the process group's long timeout
         # (AUTOTP_TIMEOUT), not in the control group's first broadcast, whose timeout is short
         dist.barrier(group=env.group)
+    _kernels(net, env)
     parts = _backend(net, channel, env, opts, max_model_len)
     if opts.compile:
         _compile(parts.batch, channel, env)
