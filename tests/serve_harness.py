@@ -47,18 +47,22 @@ class Server:
     """torchrun -m autotp serve on a free port (--port 0), output in a log file the tests read."""
 
     def __init__(self, model_dir: str | None, log: Path, *args: str, api_key: str = "unused", ranks: int = 2,
-                 script: str | None = None, env: dict | None = None, torchrun: bool = True, tp_flag: bool = False):
+                 script: str | None = None, env: dict | None = None, torchrun: bool = True, tp_flag: bool = False,
+                 dtype: str | None = "float32"):
         """script: a file torchrun runs instead of `-m autotp` (one that patches autotp, then calls its main).
         model_dir None: the embedded demo model, served as autotp-demo. torchrun=False: one process, `python -m
         autotp serve` (tp 1), as a user starts it without torchrun. tp_flag: `python -m autotp serve --tp RANKS`,
-        which starts its ranks itself, instead of torchrun."""
+        which starts its ranks itself, instead of torchrun. dtype: --dtype unless args give one (None: serve's own
+        choice); float32 by default because the tests' checkpoints and their HF oracle are float32, and serve would
+        hold them in bfloat16 on a CPU with native bfloat16 products (runner/weight_form.py)."""
         self.model_id, self.log, self.api_key = Path(model_dir).name if model_dir else "autotp-demo", log, api_key
         entry = [script] if script else ["-m", "autotp"]
         model = ["--model", model_dir] if model_dir else []
         launcher = ([sys.executable] if tp_flag or not torchrun else
                     [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port",
                      str(free_port())])
-        cmd = [*launcher, *entry, "serve", *model, "--port", "0", "--max-num-seqs", "8", *args,
+        dtype = ["--dtype", dtype] if dtype and "--dtype" not in args else []
+        cmd = [*launcher, *entry, "serve", *model, "--port", "0", "--max-num-seqs", "8", *dtype, *args,
                *(["--tp", str(ranks)] if tp_flag else [])]
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**ENV, **(env or {})},

@@ -19,7 +19,6 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 import autotp
@@ -28,7 +27,6 @@ from autotp.errors import AutotpError
 from autotp.generate import context_limit
 from autotp.hub import TOKENIZER_FILES, load_config, resolve_model_dir
 from autotp.loading.checkpoint import Checkpoint
-from autotp.parallel import gemv
 from autotp.serve.api import router_api
 from autotp.serve.api.boundary import Served
 from autotp.serve.api.guard import host_policy
@@ -38,7 +36,7 @@ from autotp.serve.engine.blocks import BlockPool
 from autotp.serve.engine.loop import Engine, StopFlag, follow
 from autotp.serve.engine.planner import Limits, PagedPlanner
 from autotp.serve.lockstep.wire import Channel, Step
-from autotp.serve.runner import budget, flex
+from autotp.serve.runner import budget, flex, weight_form
 from autotp.serve.runner.compiled import cache_dir
 from autotp.serve.runner.model_runner import PagedBatch
 from autotp.serve.runner.paged import KvPool
@@ -160,16 +158,6 @@ def _backend(net, channel: Channel, env, opts: ServeOptions, max_model_len: int 
     return Backend(limits, batch, planner)
 
 
-def _kernels(net, env) -> None:
-    """float32 weights on CPU: few-row products through gemv.c (parallel/gemv.py), unless AUTOTP_GEMV=0; rank 0
-    says which kernel reads the weights."""
-    if env.device.type != "cpu" or next(net.parameters()).dtype != torch.float32:
-        return
-    why = "AUTOTP_GEMV=0" if os.environ.get("AUTOTP_GEMV", "1") == "0" else gemv.enable()
-    if env.rank == 0:
-        log(f"float32 products of up to {gemv.ROWS} rows: {'torch F.linear (' + why + ')' if why else 'gemv.c'}")
-
-
 def _compile(batch: PagedBatch, channel: Channel, env) -> None:
     """The compiled decode step on every rank, or on none: rank 0 says how long warm-up took (the slowest
     rank's), or in one line why every step stays eager."""
@@ -212,20 +200,23 @@ def serve(model: str, model_id: str, opts: ServeOptions = ServeOptions()) -> int
 
     model_dir = resolve_model_dir(model, flag="--model")
     config = load_config(model_dir)
-    Checkpoint(model_dir)  # a config without weights is named so, not as a missing tokenizer
+    checkpoint = Checkpoint(model_dir)  # a config without weights is named so, not as a missing tokenizer
+    dtype, held = weight_form.choose_dtype(opts.dtype, checkpoint.floating_dtype(), env.device)
     tokenizer_dir = resolve_model_dir(opts.tokenizer, TOKENIZER_FILES, flag="--tokenizer") if opts.tokenizer else None
     tokenizer = load_tokenizer(tokenizer_dir or model_dir,
                                missing="autotp serve needs a tokenizer, and none loads from {source} ({cause}): "
                                        "give --tokenizer")
     max_model_len, source = context_limit(config, tokenizer, opts.max_model_len)
     # the input guard's per-forward all-reduce has nothing to catch here: rank 0 sends every input itself
-    net = autotp.from_pretrained(model_dir, dtype=opts.dtype, device=opts.device, quantize=opts.quantize,
+    net = autotp.from_pretrained(model_dir, dtype=dtype, device=opts.device, quantize=opts.quantize,
                                  group_size=opts.group_size, check_inputs=False)
     if env.group is not None:
         # ranks finish loading at different times: wait here under the process group's long timeout
         # (AUTOTP_TIMEOUT), not in the control group's first broadcast, whose timeout is short
         dist.barrier(group=env.group)
-    _kernels(net, env)
+    said = weight_form.kernels(net, env.device)
+    if env.rank == 0:
+        log(f"weights: {held}" + (f"; {said}" if said else ""))
     parts = _backend(net, channel, env, opts, max_model_len)
     if opts.compile:
         _compile(parts.batch, channel, env)

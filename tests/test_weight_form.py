@@ -1,10 +1,15 @@
-"""gemv.c, the CPU float32 kernel for products of a few rows (parallel/gemv.py): F.linear's results within
-float32 rounding on every shape it takes, F.linear itself past ROWS rows or while off, kept inside a compiled
-graph, and from the user's side: `autotp serve` in float32 names the kernel that reads the weights and answers
-with HF's greedy text, with the kernel and without a C compiler.
+"""The form serve holds the weights in on CPU (serve/runner/weight_form.py).
+
+gemv.c, the float32 kernel for products of a few rows (parallel/gemv.py): F.linear's results within float32
+rounding on every shape it takes, F.linear itself past ROWS rows or while off, kept inside a compiled graph. The
+dtype: a float32 checkpoint in bfloat16 only where the CPU multiplies bfloat16 natively. From the user's side:
+`autotp serve` names both at start-up and answers with HF's greedy text, with the kernel and without a C compiler.
+The bfloat16 model's numbers against the float32 one's: test_real_model.py.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +18,7 @@ from serve_harness import Server
 
 from autotp.generate import generate
 from autotp.parallel import gemv
+from autotp.serve.runner import weight_form
 
 
 @pytest.fixture
@@ -82,10 +88,43 @@ def test_serve_in_float32_names_the_kernel_and_answers_as_hf(tmp_path, compiler)
     finally:
         server.kill()
     if compiler == "found":
-        assert "float32 products of up to 16 rows: gemv.c" in said
+        assert "weights: float32 (--dtype); float32 products of up to 16 rows: gemv.c" in said
     else:
-        assert "float32 products of up to 16 rows: torch F.linear (" in said and "/nonexistent/cc" in said
+        assert "weights: float32 (--dtype); float32 products of up to 16 rows: torch F.linear (" in said
+        assert "/nonexistent/cc" in said
     model = AutoModelForCausalLM.from_pretrained(default_model(), dtype=torch.float32).eval()
     want = generate(model, torch.tensor([prompt]), max_new_tokens=24)[0, len(prompt):].tolist()
     tok = load_tokenizer(default_model(), missing="{source} {cause}")
     assert got["choices"][0]["text"] == tok.decode(want)
+
+
+def test_a_float32_checkpoint_is_held_in_bfloat16_only_where_the_cpu_multiplies_it(monkeypatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(weight_form, "native_bf16", lambda: "AVX512_BF16")
+    assert weight_form.choose_dtype(None, torch.float32, cpu) == (
+        "bfloat16", "bfloat16 from the float32 checkpoint (this CPU multiplies bfloat16 natively: AVX512_BF16; "
+                    "--dtype float32 keeps float32)")
+    assert weight_form.choose_dtype(None, None, cpu)[0] == "bfloat16"  # no floating tensor named a dtype
+    assert weight_form.choose_dtype(None, torch.bfloat16, cpu) == (None, "bfloat16 as stored")
+    assert weight_form.choose_dtype(None, torch.float16, cpu) == (None, "float16 as stored")
+    assert weight_form.choose_dtype("float32", torch.float32, cpu) == ("float32", "float32 (--dtype)")
+    assert weight_form.choose_dtype(None, torch.float32, cuda) == (None, "float32 as stored")
+    monkeypatch.setattr(weight_form, "native_bf16", lambda: None)
+    assert weight_form.choose_dtype(None, torch.float32, cpu) == (
+        None, "float32 as stored (this CPU has no native bfloat16 products: no AVX512_BF16 or AMX)")
+
+
+def test_serve_on_a_cpu_with_native_bfloat16_holds_a_float32_checkpoint_in_bfloat16(tmp_path):
+    """The demo model (float32) served as a user starts it, on a CPU that says it has AMX: the start-up line says
+    bfloat16 and why, names no float32 kernel, and a completion arrives. Its numbers: test_real_model.py."""
+    server = Server(None, tmp_path / "server.log", "--kv-cache-memory", "2MiB", torchrun=False, dtype=None,
+                    script=str(Path(__file__).parent / "native_bf16.py"))
+    try:
+        said = server.text()
+        status, got = server.post({"model": server.model_id, "prompt": "def add(a, b):", "max_tokens": 8,
+                                   "temperature": 0})
+    finally:
+        server.kill()
+    assert "weights: bfloat16 from the float32 checkpoint (this CPU multiplies bfloat16 natively: AMX; --dtype " \
+           "float32 keeps float32)\n" in said, said
+    assert status == 200 and got["usage"]["completion_tokens"] == 8, got

@@ -1,0 +1,45 @@
+"""The form a CPU reads the weights fastest in, chosen at start-up and said in one line each.
+
+- dtype: a float32 checkpoint is held in bfloat16 where the CPU multiplies bfloat16 natively (AVX512_BF16 or AMX:
+  half the bytes per decode step at full speed); elsewhere it stays float32, because without those instructions
+  the bfloat16 products convert in software, and float32 keeps the checkpoint's numbers. `--dtype` decides instead
+  where given; a bfloat16 or float16 checkpoint stays as stored.
+- kernel: float32 products of a few rows go through gemv.c (parallel/gemv.py) unless AUTOTP_GEMV=0.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from autotp.parallel import gemv
+
+
+def native_bf16() -> str | None:
+    """The instructions this CPU multiplies bfloat16 with, or None (torch's own probes; absent before torch 2.3)."""
+    probes = (("AMX", "_is_amx_tile_supported"), ("AVX512_BF16", "_is_avx512_bf16_supported"))
+    return next((name for name, probe in probes if getattr(torch.cpu, probe, lambda: False)()), None)
+
+
+def choose_dtype(asked: str | None, stored: torch.dtype | None, device: torch.device) -> tuple[str | None, str]:
+    """(the dtype to load, None for as stored; what the start-up line says of it)."""
+    if asked is not None:
+        return asked, f"{asked} (--dtype)"
+    name = str(stored or torch.float32).removeprefix("torch.")
+    if device.type != "cpu" or stored not in (None, torch.float32):
+        return None, f"{name} as stored"
+    native = native_bf16()
+    if native:
+        return "bfloat16", f"bfloat16 from the float32 checkpoint (this CPU multiplies bfloat16 natively: {native}; " \
+                           f"--dtype float32 keeps float32)"
+    return None, "float32 as stored (this CPU has no native bfloat16 products: no AVX512_BF16 or AMX)"
+
+
+def kernels(net, device: torch.device) -> str | None:
+    """float32 weights on CPU: few-row products through gemv.c unless AUTOTP_GEMV=0; what the start-up line says
+    (None where there is nothing to choose)."""
+    if device.type != "cpu" or next(net.parameters()).dtype != torch.float32:
+        return None
+    why = "AUTOTP_GEMV=0" if os.environ.get("AUTOTP_GEMV", "1") == "0" else gemv.enable()
+    return f"float32 products of up to {gemv.ROWS} rows: {f'torch F.linear ({why})' if why else 'gemv.c'}"
