@@ -15,7 +15,8 @@ request computes only its new tokens, so its time should not grow with P.
 
     python benchmarks/editor_bench.py [--model demo|smollm2] [--systems new:1 new:2 old:1 old:2 hf] [--editors 1 3]
 
-Prints a table, writes benchmarks/results/editor_bench_MODEL.json. Servers: servers.py.
+Prints a table, merges it into benchmarks/results/editor_bench_MODEL.json (under runs/RUN with --run). Servers:
+servers.py.
 """
 
 from __future__ import annotations
@@ -57,8 +58,8 @@ def cursor_at(tokenizer, text: str, tokens: int) -> int:
 
 
 async def request(client, model: str, prompt: str, max_tokens: int, record: dict) -> None:
-    """A streamed greedy completion; fills record with first (s after sending) and done (its clock)."""
-    t0 = time.monotonic()
+    """A streamed greedy completion; fills record with sent and done (its clock) and first (s after sending)."""
+    t0 = record["sent"] = time.monotonic()
     stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
                                              stream=True)
     try:
@@ -116,8 +117,10 @@ async def editors(url: str, tokenizer, count: int, bursts: int, prompt_tokens: i
         await client.close()
     firsts = [r["first"] for r in records if "first" in r]
     in_time = sum("done" in r and r["done"] <= r.get("typed_at", float("inf")) for r in records)
+    wholes = [r["done"] - r["sent"] for r in records if "done" in r]  # completions that ran to their end
     return {"requests": len(records), "saw_first": len(firsts), "in_time": in_time,
-            "ttft_p50_s": quantile(firsts, 0.5), "ttft_p90_s": quantile(firsts, 0.9)}
+            "ttft_p50_s": quantile(firsts, 0.5), "ttft_p90_s": quantile(firsts, 0.9),
+            "whole_p50_s": quantile(wholes, 0.5)}
 
 
 async def sweep(url: str, tokenizer, lengths: list[int], repeats: int) -> list[dict]:
@@ -161,6 +164,8 @@ def main() -> None:
     parser.add_argument("--sweep", type=int, nargs="*", help="prefix lengths (default 128 512 1024 2048, demo "
                                                              "128 256 448)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--run", help="keep this run under runs/RUN in the results file (default: the file's top "
+                                      "level, where RESULTS.md's issue-24 tables come from)")
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
@@ -196,9 +201,10 @@ def main() -> None:
             t = [s["ttft_median_s"] for s in r["sweep"]]
             cells = " | ".join(f"{x:6.3f}" for x in t)
             print(f"{label(system, args.baseline):42} | {cells} | {t[-1] / t[0]:.2f}")
-    write_json(HERE / "results" / f"editor_bench_{Path(args.model).name}.json",
-               {"cpus": cpus(), "model": args.model, "baseline": args.baseline, "prompt_tokens": prompt_tokens,
-                "max_tokens": args.max_tokens, "bursts": args.bursts, "rows": rows})
+    run = {"cpus": cpus(), "model": args.model, "baseline": args.baseline, "prompt_tokens": prompt_tokens,
+           "max_tokens": args.max_tokens, "bursts": args.bursts, "rows": rows}
+    write_json(HERE / "results" / f"editor_bench_{Path(args.model).name}.json", {"runs": {args.run: run}} if args.run
+               else run)
 
 
 if __name__ == "__main__":

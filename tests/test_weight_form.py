@@ -112,6 +112,14 @@ def test_a_float32_checkpoint_is_held_in_bfloat16_only_where_the_cpu_multiplies_
     monkeypatch.setattr(weight_form, "native_bf16", lambda: None)
     assert weight_form.choose_dtype(None, torch.float32, cpu) == (
         None, "float32 as stored (this CPU has no native bfloat16 products: no AVX512_BF16 or AMX)")
+    # quantized on CPU: bfloat16 activations on any CPU (torch's int8/int4 CPU kernels are slow with float32 ones)
+    assert weight_form.choose_dtype(None, torch.float32, cpu, "int8") == (
+        "bfloat16", "bfloat16 scales and activations for the int8 weights (torch's CPU int8 kernel takes float32 "
+                    "activations 4-11x slower)")
+    assert weight_form.choose_dtype(None, torch.float32, cuda, "int4") == (None, "float32 as stored")
+    assert weight_form.choose_dtype("float32", torch.float32, cpu, "int4") == (
+        "float32", "float32 (--dtype); int4 weights with float32 activations take torch's slow CPU path, --dtype "
+                   "bfloat16 is 4-11x faster")
 
 
 def test_serve_on_a_cpu_with_native_bfloat16_holds_a_float32_checkpoint_in_bfloat16(tmp_path):

@@ -370,8 +370,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                                 "(default: the model's context, as for generate)")
     srv.add_argument("--tokenizer", help="tokenizer directory or hub id (default: the model's)")
     srv.add_argument("--dtype", choices=DTYPE_CHOICES,
-                     help="weights dtype (default: as stored, except a float32 checkpoint on a CPU with native "
-                          "bfloat16 products, AMX or AVX512_BF16: bfloat16)")
+                     help="weights dtype (default: as stored, except on CPU a float32 checkpoint in bfloat16 where "
+                          "the CPU has native bfloat16 products, AMX or AVX512_BF16, or with --quantize)")
     add_quantize_flags(srv)
     srv.add_argument("--device", choices=["cpu", "cuda"],
                      help="where the ranks run (default: cuda if available, else cpu)")

@@ -2,10 +2,11 @@
 the memory's speed; everything else through F.linear.
 
 A decode step reads every weight once for one or a few rows: its cost is the bytes read. On the 2-core AMD EPYC
-this was measured on (benchmarks/llama_bench.py; RESULTS.md), a SmolLM2 decode step's 211 float32 products took
-61 ms through F.linear (6.9 GB/s) and 30 ms through gemv.c (14.2 GB/s; a plain read: 19 GB/s); its 113 MB LM head
-18 ms against 7; and at 2-8 rows F.linear was slower still per row where gemv.c reads each weight row once for
-four rows of x. From ROWS rows on (prefill chunks) MKL's blocked GEMM is the faster.
+this was measured on (benchmarks/gemv_bench.py, RESULTS.md), a SmolLM2 decode step's 210 float32 layer products,
+each weight read cold, took 70.4 ms through F.linear (6.0 GB/s, where a plain read ran at 20.8 GB/s) and 39.3 ms
+through gemv.c (10.8 GB/s), its 113 MB LM head 19.7 ms against 8.5. F.linear is slower still at 2-16 rows
+(92-116 ms), where gemv.c reads each weight row once for four rows of x: 2.6x faster at 4 rows, 1.3x at 16, 0.8x
+at 32. Past ROWS rows (prefill chunks) F.linear: MKL's blocked GEMM, compute-bound there.
 
 Off until `enable()`: `autotp serve` enables it on CPU, and a library user keeps F.linear's bits (the tests
 compare column slices with the unsharded model's bit for bit). Results equal F.linear's within float32 rounding
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 
 from autotp.parallel import native
 
-ROWS = 16  # the kernel takes products of at most this many rows of x
+ROWS = 16  # the kernel takes products of at most this many rows of x (gemv_bench.py: 1.3x F.linear at 16, 0.8x at 32)
 FLAGS = ("-O3", "-march=native", "-fopenmp")  # OpenMP: torch's own libgomp.so.1, already loaded, runs it
 
 _kernel = None
@@ -62,7 +63,7 @@ def _run(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Ten
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, w, b), through gemv.c where it is on and takes the product."""
     if not (_on and x.device.type == "cpu" and x.dtype == w.dtype == torch.float32 and w.dim() == 2
-            and w.is_contiguous() and (b is None or b.is_contiguous())
+            and w.is_contiguous() and (b is None or b.is_contiguous() and b.dtype == torch.float32)
             and not (torch.is_grad_enabled() and w.requires_grad)):
         return F.linear(x, w, b)
     x2 = x.reshape(-1, x.shape[-1]).contiguous()

@@ -201,7 +201,8 @@ def serve(model: str, model_id: str, opts: ServeOptions = ServeOptions()) -> int
     model_dir = resolve_model_dir(model, flag="--model")
     config = load_config(model_dir)
     checkpoint = Checkpoint(model_dir)  # a config without weights is named so, not as a missing tokenizer
-    dtype, held = weight_form.choose_dtype(opts.dtype, checkpoint.floating_dtype(), env.device)
+    dtype, held = weight_form.choose_dtype(opts.dtype, checkpoint.floating_dtype(), env.device,
+                                             opts.quantize)
     tokenizer_dir = resolve_model_dir(opts.tokenizer, TOKENIZER_FILES, flag="--tokenizer") if opts.tokenizer else None
     tokenizer = load_tokenizer(tokenizer_dir or model_dir,
                                missing="autotp serve needs a tokenizer, and none loads from {source} ({cause}): "

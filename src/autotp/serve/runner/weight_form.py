@@ -2,8 +2,12 @@
 
 - dtype: a float32 checkpoint is held in bfloat16 where the CPU multiplies bfloat16 natively (AVX512_BF16 or AMX:
   half the bytes per decode step at full speed); elsewhere it stays float32, because without those instructions
-  the bfloat16 products convert in software, and float32 keeps the checkpoint's numbers. `--dtype` decides instead
-  where given; a bfloat16 or float16 checkpoint stays as stored.
+  the bfloat16 products convert in software, and float32 keeps the checkpoint's numbers. Quantized (`--quantize
+  int8/int4`) on CPU, it is bfloat16 (the scales and activations) on any CPU: torch's CPU int8 and int4 kernels
+  take float32 activations through a slow path (a SmolLM2 decode step's products, 2 cores, AVX2, gemv_bench.py:
+  int8 95.7 ms and int4 143.6 ms with float32 activations, 20.8 and 12.6 ms with bfloat16; float32 weights
+  through gemv.c 39.3 ms).
+  `--dtype` decides instead where given; a bfloat16 or float16 checkpoint stays as stored.
 - kernel: float32 products of a few rows go through gemv.c (parallel/gemv.py) unless AUTOTP_GEMV=0.
 """
 
@@ -22,13 +26,19 @@ def native_bf16() -> str | None:
     return next((name for name, probe in probes if getattr(torch.cpu, probe, lambda: False)()), None)
 
 
-def choose_dtype(asked: str | None, stored: torch.dtype | None, device: torch.device) -> tuple[str | None, str]:
+def choose_dtype(asked: str | None, stored: torch.dtype | None, device: torch.device,
+                 quantize: str | None = None) -> tuple[str | None, str]:
     """(the dtype to load, None for as stored; what the start-up line says of it)."""
     if asked is not None:
-        return asked, f"{asked} (--dtype)"
+        slow = device.type == "cpu" and quantize and asked == "float32"
+        return asked, f"{asked} (--dtype)" + (f"; {quantize} weights with float32 activations take torch's slow CPU "
+                                               "path, --dtype bfloat16 is 4-11x faster" if slow else "")
     name = str(stored or torch.float32).removeprefix("torch.")
     if device.type != "cpu" or stored not in (None, torch.float32):
         return None, f"{name} as stored"
+    if quantize:
+        return "bfloat16", f"bfloat16 scales and activations for the {quantize} weights (torch's CPU {quantize} " \
+                           "kernel takes float32 activations 4-11x slower)"
     native = native_bf16()
     if native:
         return "bfloat16", f"bfloat16 from the float32 checkpoint (this CPU multiplies bfloat16 natively: {native}; " \
