@@ -79,5 +79,6 @@ def parallelize(model: nn.Module, layout: Layout, rank: int, group: GroupRef | N
                 setattr(module, attr, getattr(ctx.heads, prop))
             if plan.attention_config:
                 module.config = rank_config
+            module.autotp_heads = ctx.heads  # for code that builds a per-head input itself (serve's adapters)
             if plan.head_inputs:  # e.g. ALiBi biases built for all heads: this rank's heads only
                 module.register_forward_pre_hook(NarrowHeads(plan.head_inputs, ctx.heads), with_kwargs=True)

@@ -4,9 +4,9 @@ new_decoder_architecture (Falcon-40B/180B): (kv_heads, heads/kv_heads + 2, d), "
     query heads are part of a group keeps them with the group's K and V.
 multi_query (Falcon-7B): [Q (heads*d) | K (d) | V (d)], "blocks" with one KV head, replicated.
 neither: per-head interleaved (heads, 3, d), "grouped" with groups of one.
-FalconAttention reads `num_heads` and `num_kv_heads` (both per rank). With alibi=True FalconModel keeps the
-global head count: it builds the bias for all heads, (batch * heads, 1, k), and folds it into the causal
-mask, (batch, heads, q, k); the slopes depend on the global count, so both `alibi` and `attention_mask` are
+FalconAttention reads `num_heads`, `num_kv_heads` and `num_key_value_groups` (all per rank). With alibi=True
+FalconModel keeps the global head count: it builds the bias for all heads and folds it into the causal mask,
+(batch, heads, q, k) (transformers >= 5.25); the slopes depend on the global count, so `attention_mask` is
 named in `head_inputs` and each rank's attention receives its heads' rows (a mask without heads, size 1 at
 dim -3, passes as is).
 """
@@ -38,6 +38,6 @@ def plan(config) -> Plan:
             "lm_head": VocabHead(),
         },
         attention="transformer.h.*.self_attention",
-        attention_attrs={"num_heads": "q_heads", "num_kv_heads": "kv_heads"},
-        head_inputs=("alibi", "attention_mask") if config.alibi else (),
+        attention_attrs={"num_heads": "q_heads", "num_kv_heads": "kv_heads", "num_key_value_groups": "q_per_kv"},
+        head_inputs=("attention_mask",) if config.alibi else (),
     )

@@ -80,14 +80,14 @@ class PagedCache:
     # What HF's model-level forwards ask a cache before their layers run. Positions are always given, and the
     # masks they would build go unused (the step's description says who sees what); the ALiBi families size
     # their bias table from these: it must cover the step's longest context.
-    def _width(self) -> int:
+    def width(self) -> int:
         return max(self.meta.width if self.meta is not None else 1, self.tokens)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self._width() - self.tokens
+        return self.width() - self.tokens
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self._width(), 0
+        return self.width(), 0
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
         return 0
