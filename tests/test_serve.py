@@ -509,8 +509,9 @@ def test_a_forward_that_fails_on_one_rank_only_gets_503_within_seconds(model_dir
 def test_startup_errors_are_one_line(model_dir, args, message):
     with socket.create_server(("127.0.0.1", 0)) as busy:
         args = [str(busy.getsockname()[1]) if a == "BUSY" else a for a in args]
-        out = subprocess.run([sys.executable, "-m", "autotp", "serve", "--model", model_dir, *args],
-                             capture_output=True, text=True, timeout=120, env=ENV)
+        # float32 as stored: the byte figures are float32's (serve holds bfloat16 where the CPU has it natively)
+        cmd = [sys.executable, "-m", "autotp", "serve", "--model", model_dir, "--dtype", "float32", *args]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=ENV)
     assert out.returncode == 2 and out.stderr.strip().startswith(f"autotp: error: {message}"), out.stderr
 
 
