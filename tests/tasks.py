@@ -159,8 +159,9 @@ def user_generate(model_dir: str, how: str, seed: int | None = None, seed_per_ra
         torch.manual_seed(seed + (dist.get_rank() if seed_per_rank else 0))
     ids = torch.tensor([[3, 17, 42, 8, 99, 51, 23]])
     with torch.no_grad():
+        # min_new_tokens: an unseeded draw of EOS would end a rank's text early (all ranks alike, but shorter)
         return model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, top_k=0,
-                              max_new_tokens=24, pad_token_id=0).tolist()
+                              min_new_tokens=24, max_new_tokens=24, pad_token_id=0).tolist()
 
 
 def quant_rank_outputs(model_dir: str, quantize: str, group_size: int) -> dict:
