@@ -26,7 +26,7 @@ ROOT = Path(__file__).parent.parent
 DEMO = ROOT / "src" / "autotp" / "demo_model"
 HF_PYTHON = CACHE / "hf-serve" / "bin" / "python"
 START_TIMEOUT_S = 300
-NAMES = {"new": "autotp serve (paged)", "old": "autotp serve ({baseline}, padded)", "hf": "transformers serve --cb"}
+NAMES = {"new": "autotp serve (paged)", "old": "autotp serve ({baseline})", "hf": "transformers serve --cb"}
 
 
 def cpus() -> int:

@@ -84,6 +84,66 @@ def test_a_second_block_with_the_same_content_stays_uncached_and_caching_off_cac
     assert off.match([7, 8], 1) == [] and len(off.free) == 4
 
 
+def test_a_known_block_is_found_by_its_longest_shared_run_of_tokens_until_evicted_or_flushed():
+    pool = BlockPool(6, 4)
+    full = held(pool, [1, 2, 3, 4, 5, 6, 7, 8])  # blocks (1 2 3 4) (5 6 7 8)
+    first = pool.match([1, 2, 3, 4, 5, 6, 9, 9], 9)
+    assert [b for b, _ in first] == full[:1] and pool.extend([1, 2, 3, 4, 5, 6, 9, 9], first, 8) == (full[1], 2)
+    assert pool.extend([1, 2, 3, 4, 5, 6, 7, 8], first, 7) == (full[1], 3)  # `end`: the last token is computed again
+    assert pool.extend([9, 2, 3], [], 3) == (-1, 0)  # no known block starts with 9
+    assert pool.extend([5, 6, 7], [], 3) == (-1, 0)  # (5 6 7 8) is known after (1 2 3 4) only
+    # a row that computed 1 2 3 4 | 5 6 and left: its partly filled block is found too, under its parent
+    pool.reserve(2)
+    row = [pool.take(), pool.take()]
+    parent = pool.register(row[0], None, (1, 2, 3, 4))  # a second (1 2 3 4): stays uncached
+    pool.release(row[0])
+    pool.release(row[1], (parent, (5, 6)))
+    assert pool.extend([1, 2, 3, 4, 5, 6, 7, 1], first, 8) == (full[1], 3)  # the full block shares more
+    assert pool.extend([1, 2, 3, 4, 5, 9], first, 5) == (full[1], 1)
+    assert pool.used() == 0 and pool.available() == 6 and row[1] in pool.idle
+    pool.reserve(6)
+    taken = [pool.take() for _ in range(3)]  # 3 free ones, then the oldest idle ones: the tail is evicted last
+    assert row[1] not in taken
+    taken += [pool.take(), pool.take()]
+    assert pool.extend([1, 2, 3, 4, 5, 6], first, 6) == (row[1], 2) and full[1] in taken
+    assert pool.flush() == 1 and pool.extend([1, 2, 3, 4, 5, 6], first, 6) == (-1, 0) and pool.children == {}
+    off = BlockPool(2, 4, caching=False)
+    off.reserve(1)
+    off.release(off.take(), (None, (1, 2)))
+    assert off.extend([1, 2], [], 2) == (-1, 0) and len(off.free) == 2
+
+
+def test_a_chat_turn_after_a_completion_computes_from_where_the_completion_stopped(tokenizer):
+    """Turn 2 sends turn 1's prompt and completion and a few tokens more (a chat's next message): the completion's
+    last, partly filled block is copied, so only its last (never computed) token and the new ones are computed, and
+    the text and log-probabilities are what an engine without a cache gives. Then with a pool so full that the
+    block taken for the copy is the copied block itself."""
+    model = build("llama")
+    g = torch.Generator().manual_seed(6)
+    prompt = torch.randint(0, 101, (10,), generator=g).tolist()
+    for kv_tokens, more in ((64, [5, 9, 33]), (16, [])):
+        engine = engine_for(model, tokenizer, limits=Limits(4, 64, kv_tokens))
+        turn = job(prompt, 6, index=0)
+        drive(engine, {0: [turn]})
+        engine.step()  # it leaves: 3 full blocks and 3 computed tokens of a fourth kept
+        completion = tokens_of(turn.emit.ended)
+        second = prompt + completion[:5] + (more or [(completion[5] + 1) % 101])
+        sent = recorded(engine)
+        again = job(second, 4 if more else 1, logprobs=1, index=1)
+        drive(engine, {0: [again]})
+        first = sent[0].work[0]
+        assert first.start == 15 and first.copy[2] == 3, first
+        if not more:  # the only block left was the one copied from
+            assert first.copy[0] == first.copy[1]
+        x = torch.tensor([second])
+        assert tokens_of(again.emit.ended) == generate(model, x, max_new_tokens=len(tokens_of(again.emit.ended)))[
+            0, len(second):].tolist()
+        with torch.no_grad():
+            scores = model(torch.tensor([second + tokens_of(again.emit.ended)])).logits[0].log_softmax(-1)
+        want = [scores[len(second) - 1 + i, t].item() for i, t in enumerate(tokens_of(again.emit.ended))]
+        assert [e.logprob for e in again.emit.ended[2].logprobs] == pytest.approx(want, abs=1e-4)
+
+
 def plan_tokens(planner, rows, waiting, admitted):
     step = planner.plan(rows, (), waiting, lambda i: admitted.append(i) or 100 + len(admitted) - 1)
     return step.work
@@ -93,13 +153,16 @@ def test_a_prompt_extending_a_cached_one_computes_only_its_new_blocks_and_always
     pool = BlockPool(16, 4)
     planner = PagedPlanner(pool, Limits(4, 64, 64))
     cached = list(range(1, 13))  # three full blocks
-    held(pool, cached)
+    blocks = held(pool, cached)
     work = plan_tokens(planner, {}, [(tuple(cached + [13, 14]), 5, False)], [])
-    row, ids, start, blocks, sample, every, _ = work[0]
+    row, ids, start, blocks, sample, every, *_ = work[0]
     assert (start, ids, sample, every) == (12, (13, 14), True, False) and len(blocks) == 4  # 3 shared + 1 new
-    # the same 12 tokens again: the third block is not taken, its last token gives the first new one
+    assert work[0].copy == ()  # nothing known after the third block
+    # the same 12 tokens again: the third block is not taken whole, its last token gives the first new one; its
+    # first three keys and values are copied into the row's own block
     work = plan_tokens(planner, {}, [(tuple(cached), 5, False)], [])
-    assert work[0].start == 8 and work[0].tokens == (9, 10, 11, 12)
+    assert work[0].start == 11 and work[0].tokens == (12,)
+    assert work[0].copy == (blocks[2], work[0].blocks[2], 3)
     # a row that wants its prompt's log-probabilities computes everything
     work = plan_tokens(planner, {}, [(tuple(cached), 5, True)], [])
     assert work[0].start == 0 and work[0].every
@@ -168,7 +231,9 @@ def test_a_prompt_served_from_cached_blocks_gets_the_tokens_and_scores_it_gets_c
     again = job(second, 12, logprobs=3, index=1)
     sent = recorded(warm)
     drive(warm, {0: [again]})
-    assert sent[0].work[0].start == 20  # five full blocks of 4 from the cache: 4 of 24 tokens computed
+    # five full blocks of 4 from the cache, and the sixth's first token (the first prompt's 21st; its next three were
+    # that prompt's completion): 3 of 24 tokens computed
+    assert sent[0].work[0].start == 21 and sent[0].work[0].copy[2] == 1
     cold = job(second, 12, logprobs=3, index=1)
     drive(engine_for(model, tokenizer, caching=False), {0: [cold]})
     warm.step()  # the finished row leaves: every block released, the cache kept
@@ -201,9 +266,9 @@ def test_the_editor_pattern_reuses_a_cancelled_prompts_blocks(tokenizer):
     after = job(prompt + [7, 7, 8], 10, 0.8, seed=3, index=1)
     drive(engine, {0: [after]})
     first = next(w for s in sent for w in s.work)
-    # the prompt's 7 full blocks of 4 come from the cache (the 8th holds generated tokens, which differ): 5 of 33
-    # tokens are computed
-    assert first[2] == 28 and first[1] == (*prompt[28:], 7, 7, 8)
+    # the prompt's 7 full blocks of 4 come from the cache, and the 8th's first two tokens (its last two are generated
+    # tokens, which differ): 3 of 33 tokens are computed
+    assert first.start == 30 and first.tokens == (7, 7, 8) and first.copy[2] == 2
     cold = job(prompt + [7, 7, 8], 10, 0.8, seed=3, index=1)
     drive(engine_for(model, tokenizer, caching=False), {0: [cold]})
     assert after.emit.ended[2].text == cold.emit.ended[2].text

@@ -82,7 +82,7 @@ def test_a_flush_is_refused_while_a_row_runs_and_empties_the_cache_when_idle(tmp
     assert asked[0].result(timeout=0) is None  # a row was running: nothing flushed
     drive(engine, {0: [job(prompt, 2, index=1)]})
     hits = engine.metrics.prefix_hits._value.get()
-    assert hits == 28  # the control: the second prompt found its 7 full blocks of 4
+    assert hits == 29  # the control: the second prompt found its 7 full blocks of 4 and the 8th's first token
     flushed = engine.flush_cache()
     engine.step()  # the finished row leaves, then the flush is answered
     assert flushed.result(timeout=0) >= 7 and engine.planner.pool.available() == engine.planner.pool.num_blocks

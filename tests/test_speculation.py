@@ -63,7 +63,7 @@ def test_the_planner_feeds_a_draft_after_the_last_token_and_keeps_only_the_token
     planner.ran(step, {0: (prompt, [])})
     generated = [9]
     step = planner.plan({0: (prompt, generated)}, (), [], None, drafts={0: (7, 7, 7, 7, 7)})
-    (row, ids, start, blocks, sample, every, draft), = step.work
+    (row, ids, start, blocks, sample, every, draft, _), = step.work
     assert (ids, start, sample, every) == ((9, 7, 7, 7), 6, True, True)  # the budget of 4 cuts the draft to 3
     assert len(blocks) == 1  # positions 6..9 reach a third block
     generated += [7, 8]  # the sampler drew 7 (the draft's first), then 8: 2 of the 4 computed tokens stand

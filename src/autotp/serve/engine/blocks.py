@@ -9,6 +9,13 @@ a key names a whole prefix. A new prompt walks its full blocks from the first an
 already cached under the same key; only the rest is computed. A block nobody holds stays cached (its
 key kept) in least-recently-used order until its room is needed: `take` evicts the oldest one first.
 
+Within a block, reuse is token-granular: every block whose tokens are known (a full cached one, and the partly
+filled last block of a row that left, its "tail") is indexed under its parent key, and `extend` finds, after
+the full blocks a prompt matched, the one sharing the longest run of the prompt's next tokens. Its keys and
+values are copied into the new row's own block (every rank, before the step's forward): an editor's prompt
+that differs from the last one after its cursor computes from the cursor on, not from the start of the
+cursor's block. Copied, not taken over: the source stays cached for the prompts after it.
+
 Reservations make admission safe without preemption: a row admitted with a budget of `n` tokens
 reserves the blocks it can ever need, and `take` only ever hands out reserved room.
 """
@@ -16,6 +23,7 @@ reserves the blocks it can ever need, and `take` only ever hands out reserved ro
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 
 Key = int
 
@@ -35,6 +43,10 @@ class BlockPool:
         self.idle: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody holds, oldest first
         self.key_of: dict[int, Key] = {}
         self.content: dict[Key, tuple[int, Key | None, tuple[int, ...]]] = {}  # key -> (block, parent, tokens)
+        self.tails: dict[int, tuple[Key | None, tuple[int, ...]]] = {}  # idle partly filled block -> (parent, tokens)
+        # (parent, first token) -> {block: its known tokens}: the candidates `extend` compares, by their first token
+        # so that the first block's many siblings (parent None) are not all compared
+        self.children: dict[tuple[Key | None, int], dict[int, tuple[int, ...]]] = {}
         self.reserved = 0  # blocks promised to admitted rows and not yet taken
 
     def available(self) -> int:
@@ -60,6 +72,27 @@ class BlockPool:
             parent = key
         return out
 
+    def extend(self, tokens: Sequence[int], hits: list[tuple[int, Key]], end: int) -> tuple[int, int]:
+        """(block, m): the known block under the last hit's key (the first block's parent when none) whose first m
+        tokens are tokens[len(hits) * size:end], for the largest m (at most end - len(hits) * size); (-1, 0) when
+        none shares a first token."""
+        start = len(hits) * self.block_size
+        want = tuple(tokens[start:min(end, start + self.block_size)])
+        best, most = -1, 0
+        if not want:
+            return best, most
+        for block, known in self.children.get((hits[-1][1] if hits else None, want[0]), {}).items():
+            m = 0
+            for a, b in zip(want, known, strict=False):
+                if a != b:
+                    break
+                m += 1
+            if m > most:
+                best, most = block, m
+                if m == len(want):
+                    break
+        return best, most
+
     def reserve(self, blocks: int) -> None:
         if blocks > self.available():
             raise RuntimeError(f"cannot reserve {blocks} blocks: {self.available()} available")
@@ -80,25 +113,42 @@ class BlockPool:
             block = self.free.pop()
         else:
             block, _ = self.idle.popitem(last=False)
-            del self.content[self.key_of.pop(block)]
+            self._forget(block)
         self.reserved -= 1
         self.refs[block] = 1
         return block
 
-    def release(self, block: int) -> None:
-        """A row lets go of a block: cached blocks go idle (most recently used last), others free."""
+    def release(self, block: int, tail: tuple[Key | None, tuple[int, ...]] | None = None) -> None:
+        """A row lets go of a block: cached blocks go idle (most recently used last), others free. tail: (parent,
+        tokens) of a row's partly filled last block whose first len(tokens) keys and values are computed: it goes
+        idle too, indexed for `extend` until its room is needed."""
         self.refs[block] -= 1
         if self.refs[block] == 0:
             if block in self.key_of:
                 self.idle[block] = None
+            elif tail is not None and tail[1] and self.caching:
+                self.tails[block] = tail
+                self.children.setdefault((tail[0], tail[1][0]), {})[block] = tail[1]
+                self.idle[block] = None
             else:
                 self.free.append(block)
+
+    def _forget(self, block: int) -> None:
+        """An idle block's content is no longer findable (evicted or flushed)."""
+        if block in self.tails:
+            parent, tokens = self.tails.pop(block)
+        else:
+            _, parent, tokens = self.content.pop(self.key_of.pop(block))
+        siblings = self.children[parent, tokens[0]]
+        del siblings[block]
+        if not siblings:
+            del self.children[parent, tokens[0]]
 
     def flush(self) -> int:
         """Forget every cached block nobody holds (`POST /flush_cache`): each becomes free, its key gone, so no later
         prompt finds it. Returns how many. Blocks that rows hold keep their keys."""
         for block in self.idle:
-            del self.content[self.key_of.pop(block)]
+            self._forget(block)
             self.free.append(block)
         flushed = len(self.idle)
         self.idle.clear()
@@ -111,4 +161,5 @@ class BlockPool:
         if self.caching and key not in self.content:
             self.content[key] = (block, parent, tokens)
             self.key_of[block] = key
+            self.children.setdefault((parent, tokens[0]), {})[block] = tokens
         return key

@@ -4,8 +4,10 @@ vLLM v1's rule: every row computes `len(tokens) - computed` tokens (one for a de
 prompt for a prefilling one), running rows first, within `max_num_batched_tokens`; then new rows are
 admitted first come, first served while a row slot, a token of the step's budget and room for their whole
 life in blocks are left. A new row starts from the longest cached run of its prompt's full blocks
-(blocks.BlockPool) and computes only the rest; it always computes at least its last prompt token, whose
-scores give its first generated one. Pure bookkeeping (no torch): the runner (runner/model_runner.py) does the work.
+(blocks.BlockPool), then from the known block after them that shares the most of its next tokens (copied into
+a block of its own: Work.copy), and computes only the rest; it always computes at least its last prompt token,
+whose scores give its first generated one. Pure bookkeeping (no torch): the runner (runner/model_runner.py)
+does the work.
 """
 
 from __future__ import annotations
@@ -32,13 +34,15 @@ class Limits:
 @dataclass
 class Seq:
     """A row's blocks as rank 0 holds them. computed: tokens whose keys and values are in its blocks;
-    keys: the keys of its first len(keys) blocks, cached; reserved: blocks it may still take."""
+    keys: the keys of its first len(keys) blocks, cached; reserved: blocks it may still take; tail: the tokens
+    computed in block len(keys) (the partly filled one), indexed for later prompts when the row leaves."""
 
     blocks: list[int] = field(default_factory=list)
     keys: list[Key] = field(default_factory=list)
     computed: int = 0
     reserved: int = 0
     every: bool = False  # its prompt's every position is scored (prompt log-probabilities): no cache hits
+    tail: tuple[int, ...] = ()
 
 
 def blocks_for(tokens: int, size: int) -> int:
@@ -70,8 +74,9 @@ class PagedPlanner:
         """A row leaves (finished, cancelled, failed): its blocks go idle-cached or free."""
         seq = self.seqs.pop(row)
         self.pool.unreserve(seq.reserved)
-        for block in seq.blocks:
-            self.pool.release(block)
+        for i, block in enumerate(seq.blocks):
+            tail = (seq.keys[-1] if seq.keys else None, seq.tail) if i == len(seq.keys) else None
+            self.pool.release(block, tail)
 
     def plan(self, rows: dict[int, tuple[Sequence[int], Sequence[int]]], drop: tuple[int, ...], waiting, join,
              drafts: dict[int, tuple[int, ...]] | None = None) -> Step:
@@ -103,6 +108,7 @@ class PagedPlanner:
                 break
             size = self.pool.block_size
             hits = [] if no_cache else self.pool.match(prompt, (len(prompt) - 1) // size)
+            source, m = (-1, 0) if no_cache else self.pool.extend(prompt, hits, len(prompt) - 1)
             life = blocks_for(len(prompt) + max_tokens - 1, size) - len(hits)
             idle = sum(self.pool.refs[b] == 0 for b, _ in hits)
             if life + idle > self.pool.available():
@@ -112,19 +118,21 @@ class PagedPlanner:
             for block, _ in hits:
                 self.pool.hold(block)
             self.pool.reserve(life)
-            seq = self.seqs[row] = Seq([b for b, _ in hits], [k for _, k in hits], len(hits) * size, life, no_cache)
+            seq = self.seqs[row] = Seq([b for b, _ in hits], [k for _, k in hits], len(hits) * size + m, life,
+                                       no_cache)
             if self.metrics is not None and not no_cache:
                 self.metrics.prefix(len(prompt), seq.computed)
             n = min(len(prompt) - seq.computed, budget)
             budget -= n
-            work.append(self._work(row, seq, prompt, (), n, new=[b for b, _ in hits]))
+            work.append(self._work(row, seq, prompt, (), n, new=[b for b, _ in hits], copy=(source, m)))
         return Step(drop=drop, work=tuple(work))
 
     def _work(self, row: int, seq: Seq, prompt: Sequence[int], generated: Sequence[int], n: int,
-              new: list[int] | None = None, draft: int = 0) -> Work:
+              new: list[int] | None = None, draft: int = 0, copy: tuple[int, int] = (-1, 0)) -> Work:
         """This step's entry for a row computing its tokens computed .. computed + n - 1, taking the blocks
         that needs (after `new`, its cached prefix, when it is admitted); draft: its last `draft` tokens are a
-        guess, and each of its tokens is scored."""
+        guess, and each of its tokens is scored; copy: (block, m), the first m keys and values of its first block
+        after `new` are that block's."""
         start = seq.computed
         added = list(new or [])
         while len(seq.blocks) * self.pool.block_size < start + n:
@@ -133,8 +141,10 @@ class PagedPlanner:
             seq.blocks.append(block)
             added.append(block)
         sample = start + n == len(prompt) + len(generated)
+        source, m = copy
         return Work(row, span(prompt, generated, start, start + n), start, tuple(added), sample,
-                    bool(draft) or (seq.every and start < len(prompt)), draft)
+                    bool(draft) or (seq.every and start < len(prompt)), draft,
+                    (source, seq.blocks[len(new or [])], m) if m else ())
 
     def ran(self, step: Step, tokens: dict[int, tuple[Sequence[int], Sequence[int]]],
             kept: dict[int, int] | None = None) -> None:
@@ -154,3 +164,4 @@ class PagedPlanner:
                 parent = seq.keys[-1] if seq.keys else None
                 seq.keys.append(self.pool.register(seq.blocks[i], parent, span(prompt, generated, i * size,
                                                                                (i + 1) * size)))
+            seq.tail = span(prompt, generated, len(seq.keys) * size, seq.computed)

@@ -39,6 +39,7 @@ class Work(NamedTuple):
     sample: bool  # its last token gives its next one
     every: bool  # every position's scores are kept (prompt log-probabilities, a draft's verification)
     draft: int = 0  # its last `draft` tokens are a speculative draft (lookup.py), not yet the row's
+    copy: tuple[int, ...] = ()  # (source, destination, m): copy a block's first m keys and values before the step
 
 
 @dataclass(frozen=True)

@@ -164,6 +164,9 @@ class PagedBatch:
             self.tables.pop(row, None)
         for w in step.work:
             self.tables.setdefault(w.row, []).extend(w.blocks)
+        copies = [w.copy for w in step.work if w.copy]
+        if copies:  # before the forward: a block another row takes this step is written only by the forward
+            self.pool.copy(copies)
 
     def discard(self, rows) -> None:
         for row in rows:

@@ -44,6 +44,17 @@ class KvPool:
                     torch._dynamo.mark_static_address(t)
                 store.append(t)
 
+    def copy(self, copies: list[tuple[int, ...]]) -> None:
+        """copies: (source block, destination block, m) each: the destination's first m slots get the source's keys
+        and values, in every layer (a new row's prompt shares m tokens with a known block: blocks.BlockPool.extend).
+        Two ops per layer, whatever the number of copies."""
+        size = self.block_size
+        src = torch.tensor([s * size + i for s, _, m in copies for i in range(m)], device=self.keys[0].device)
+        dst = torch.tensor([d * size + i for _, d, m in copies for i in range(m)], device=self.keys[0].device)
+        with torch.no_grad():
+            for t in (*self.keys, *self.values):
+                t.index_copy_(0, dst, t.index_select(0, src))
+
 
 class PagedCache:
     """What HF's attention calls `update` on, and what it attends through.
