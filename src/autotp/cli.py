@@ -421,7 +421,9 @@ def main(argv: list[str] | None = None) -> int:
         # Bad input fails alike on every rank, whether autotp's checks or transformers notice it: rank 0 says
         # it, and another rank only a failure rank 0 does not share (distributed.fail decides which, through
         # the process group's store)
-        return distributed.fail(message, code=code, symptom=distributed.peer_lost(e))
+        gone = distributed.exited_rank(e)
+        return distributed.fail(message, code=code, symptom=distributed.peer_lost(e),
+                                rank_0_exited=gone is not None and gone.rank == 0)
     finally:
         distributed.shutdown()
 

@@ -275,9 +275,11 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-def fail(message: str, code: int = 1, symptom: bool = False) -> int:
+def fail(message: str, code: int = 1, symptom: bool = False, rank_0_exited: bool = False) -> int:
     """Say this rank's failure in one line on stderr, once however many ranks have it; returns `code`.
-    symptom: the failure is a peer that went away (`peer_lost`), the effect of another rank's failure.
+    symptom: the failure is a peer that went away (`peer_lost`), the effect of another rank's failure;
+    rank_0_exited: that peer is rank 0, whose process is gone (`exited_rank`): it posts nothing more, so what it
+    posted is read at once instead of waited for.
 
     Rank 0 says its own: `autotp: error: MESSAGE`. Another rank says `autotp: error on rank N: MESSAGE`
     unless rank 0 has the same failure, and that is decided, not waited out:
@@ -303,7 +305,7 @@ def fail(message: str, code: int = 1, symptom: bool = False) -> int:
         store = dist.distributed_c10d._get_default_store()
         key = f"autotp/failure/{attempt}/{_PROCESS.failures}"
         _PROCESS.failures += 1
-        speak = _speaks(store, key, me, message, symptom, FAILURE_WAIT_S)
+        speak = _speaks(store, key, me, message, symptom, 0 if rank_0_exited else FAILURE_WAIT_S)
     elif not _PROCESS.joining and (store := _launcher_store()) is not None:
         key = f"autotp/command-line/{attempt}"
         speak = _speaks(store, key, me, message, symptom, COMMAND_LINE_WAIT_S)
@@ -334,6 +336,16 @@ def _launcher_store():
         return None
 
 
+def exited_rank(e: BaseException) -> PeerGone | None:
+    """The shared-memory collective's report, in e or what caused it, that a peer's process exited: it names the
+    rank (its pid known gone, where gloo's "connection closed" names nobody); None if there is none."""
+    while e is not None:
+        if isinstance(e, PeerGone):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
 def peer_lost(e: BaseException) -> bool:
     """Whether a failure is a collective that lost its peer (gloo's "Connection closed by peer" or "reset by
     peer", a store or network error): the effect of another rank's exit, not a cause of its own."""
@@ -354,8 +366,8 @@ def _speaks(store, key: str, me: int, message: str, symptom: bool, wait_s: float
 
 def _rank_0_said(store, key: str, me: int, wait_s: float) -> str | None:
     """Rank 0's message for this failure, or None if it posted none within wait_s (or its store is gone);
-    rank 0 hears that this rank has read it."""
-    if not _wait_for(store, [f"{key}/0"], wait_s):
+    rank 0 hears that this rank has read it. wait_s 0: only what it has posted already."""
+    if not (_posted(store, f"{key}/0") if wait_s <= 0 else _wait_for(store, [f"{key}/0"], wait_s)):
         return None
     try:
         theirs = store.get(f"{key}/0").decode()
@@ -377,6 +389,13 @@ def _claim(store, key: str, message: str, symptom: bool) -> bool:
     except RuntimeError:  # the store is gone: nobody else can say it
         return True
     return said != message and not symptom
+
+
+def _posted(store, key: str) -> bool:
+    try:
+        return store.check([key])
+    except RuntimeError:  # the store went with rank 0's process
+        return False
 
 
 def _wait_for(store, keys: list[str], wait_s: float = FAILURE_WAIT_S) -> bool:

@@ -26,8 +26,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from autotp.distributed import peer_lost
-from autotp.parallel.shm import PeerGone
+from autotp.distributed import exited_rank, peer_lost
 
 GRACE_S = 5.0  # ranks that fail alike fail within milliseconds of each other: a second rank's note comes sooner
 POLL_S = 0.25
@@ -57,11 +56,9 @@ class Watch:
         """One line for a failure that is another rank's exit, naming it and what the ranks were `doing`; None
         for any other failure. A shared-memory collective names the rank; gloo's "Connection reset by peer"
         does not, so the ranks on this host whose process is gone are looked up."""
-        seen = e
-        while seen is not None:
-            if isinstance(seen, PeerGone):
-                return f"rank {seen.rank} (pid {seen.pid}) exited while the ranks were {doing}"
-            seen = seen.__cause__ or seen.__context__
+        exited = exited_rank(e)
+        if exited is not None:
+            return f"rank {exited.rank} (pid {exited.pid}) exited while the ranks were {doing}"
         if not peer_lost(e):
             return None
         dead = []
