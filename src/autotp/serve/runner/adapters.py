@@ -67,12 +67,17 @@ def _falcon(module, hidden_states, attention_mask=None, position_ids=None, layer
 def _falcon_alibi(module, cache: PagedCache, dtype: torch.dtype) -> Alibi:
     """Falcon's bias table for this rank's heads, (heads, width): HF's own build_alibi_tensor over the global head
     count (its slopes rounded through bfloat16), cut to the heads the rank holds. FalconModel folds the bias into
-    the attention mask before its layers (transformers >= 5.25), a mask the paged attention does not read."""
-    total = module.config.num_attention_heads
-    table = build_alibi_tensor(torch.ones(1, cache.width(), device=module.dense.weight.device), total, dtype)
+    the attention mask before its layers (transformers >= 5.25), a mask the paged attention does not read. Built
+    once per forward, by its first layer."""
     heads = getattr(module, "autotp_heads", None)  # set where autotp sharded the model
     start = heads.q_start if heads is not None else 0
-    return Alibi(table.view(total, -1)[start:start + module.num_heads], scale=module.inv_norm_factor)
+    key = ("falcon_alibi", start, module.num_heads, dtype)
+    if key not in cache.per_step:
+        total = module.config.num_attention_heads
+        table = build_alibi_tensor(torch.ones(1, cache.width(), device=module.dense.weight.device), total, dtype)
+        cache.per_step[key] = Alibi(table.view(total, -1)[start:start + module.num_heads],
+                                    scale=module.inv_norm_factor)
+    return cache.per_step[key]
 
 
 def _mpt(module, hidden_states, position_bias, cache=None, attention_mask=None, **kwargs):

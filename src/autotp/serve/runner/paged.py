@@ -63,6 +63,7 @@ class PagedCache:
 
     def __init__(self, pool: KvPool | None, meta: StepMeta | None, tokens: int):
         self.pool, self.meta, self.tokens = pool, meta, tokens
+        self.per_step: dict = {}  # what every layer of this forward would compute alike (an adapter's bias table)
         self.shapes: dict[int, tuple[int, int, torch.dtype]] = {}
         self.attended: set[int] = set()
 
