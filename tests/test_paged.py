@@ -99,7 +99,7 @@ def test_a_known_block_is_found_by_its_longest_shared_run_of_tokens_until_evicte
     pool.release(row[0])
     pool.release(row[1], (parent, (5, 6)))
     assert pool.extend([1, 2, 3, 4, 5, 6, 7, 1], first, 8) == (full[1], 3)  # the full block shares more
-    assert pool.extend([1, 2, 3, 4, 5, 9], first, 5) == (full[1], 1)
+    assert pool.extend([1, 2, 3, 4, 5, 9], first, 5) == (row[1], 1)  # a tie: the one indexed last
     assert pool.used() == 0 and pool.available() == 6 and row[1] in pool.idle
     pool.reserve(6)
     taken = [pool.take() for _ in range(3)]  # 3 free ones, then the oldest idle ones: the tail is evicted last
@@ -111,6 +111,20 @@ def test_a_known_block_is_found_by_its_longest_shared_run_of_tokens_until_evicte
     off.reserve(1)
     off.release(off.take(), (None, (1, 2)))
     assert off.extend([1, 2], [], 2) == (-1, 0) and len(off.free) == 2
+
+
+def test_a_lookup_within_a_block_compares_the_blocks_indexed_last_and_a_bounded_number_of_them():
+    """Many known blocks after one parent that start alike (a cached system prompt, then each user's message): the
+    lookup compares the EXTEND_CANDIDATES indexed last, so the best of the older ones is passed over."""
+    from autotp.serve.engine.blocks import EXTEND_CANDIDATES
+
+    pool = BlockPool(EXTEND_CANDIDATES + 2, 4)
+    oldest = held(pool, [1, 2, 3, 4])[0]  # shares 4 tokens with the prompt below
+    for i in range(EXTEND_CANDIDATES):  # each shares 2
+        held(pool, [1, 2, 100 + i, 0])
+    assert pool.extend([1, 2, 100, 0, 5], [], 4)[1] == 4  # the oldest of the compared ones is still found
+    assert pool.extend([1, 2, 3, 4, 5], [], 4)[1] == 2  # not `oldest`, which shares 4
+    assert pool.match([1, 2, 3, 4, 5], 1) == [(oldest, pool.key_of[oldest])]  # (whole, it is a full-block hit)
 
 
 def test_a_chat_turn_after_a_completion_computes_from_where_the_completion_stopped(tokenizer):

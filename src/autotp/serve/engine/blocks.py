@@ -24,8 +24,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from itertools import islice
 
 Key = int
+# `extend` compares at most this many blocks, the last indexed first: a cached system prompt may have thousands of
+# known blocks after it that start alike, and an admission must not cost milliseconds; the last ones are the likely
+# match (the same editor's previous keystroke, the same chat's last turn)
+EXTEND_CANDIDATES = 64
 
 
 def block_key(parent: Key | None, tokens: tuple[int, ...]) -> Key:
@@ -74,14 +79,15 @@ class BlockPool:
 
     def extend(self, tokens: Sequence[int], hits: list[tuple[int, Key]], end: int) -> tuple[int, int]:
         """(block, m): the known block under the last hit's key (the first block's parent when none) whose first m
-        tokens are tokens[len(hits) * size:end], for the largest m (at most end - len(hits) * size); (-1, 0) when
-        none shares a first token."""
+        tokens are tokens[len(hits) * size:end], for the largest m (at most end - len(hits) * size), among the
+        EXTEND_CANDIDATES indexed last; (-1, 0) when none shares a first token."""
         start = len(hits) * self.block_size
         want = tuple(tokens[start:min(end, start + self.block_size)])
         best, most = -1, 0
         if not want:
             return best, most
-        for block, known in self.children.get((hits[-1][1] if hits else None, want[0]), {}).items():
+        siblings = self.children.get((hits[-1][1] if hits else None, want[0]), {})
+        for block, known in islice(reversed(siblings.items()), EXTEND_CANDIDATES):
             m = 0
             for a, b in zip(want, known, strict=False):
                 if a != b:
