@@ -34,15 +34,16 @@ class Limits:
 @dataclass
 class Seq:
     """A row's blocks as rank 0 holds them. computed: tokens whose keys and values are in its blocks;
-    keys: the keys of its first len(keys) blocks, cached; reserved: blocks it may still take; tail: the tokens
-    computed in block len(keys) (the partly filled one), indexed for later prompts when the row leaves."""
+    keys: the keys of its first len(keys) blocks, cached; reserved: blocks it may still take; tokens: its (prompt,
+    generated tokens) as of its last step, whose span computed in block len(keys) (the partly filled one) is
+    indexed for later prompts when the row leaves (a reference: the engine only appends to the generated list)."""
 
     blocks: list[int] = field(default_factory=list)
     keys: list[Key] = field(default_factory=list)
     computed: int = 0
     reserved: int = 0
     every: bool = False  # its prompt's every position is scored (prompt log-probabilities): no cache hits
-    tail: tuple[int, ...] = ()
+    tokens: tuple[Sequence[int], Sequence[int]] = ((), ())
 
 
 def blocks_for(tokens: int, size: int) -> int:
@@ -74,8 +75,11 @@ class PagedPlanner:
         """A row leaves (finished, cancelled, failed): its blocks go idle-cached or free."""
         seq = self.seqs.pop(row)
         self.pool.unreserve(seq.reserved)
+        start = len(seq.keys) * self.pool.block_size
         for i, block in enumerate(seq.blocks):
-            tail = (seq.keys[-1] if seq.keys else None, seq.tail) if i == len(seq.keys) else None
+            tail = None
+            if i == len(seq.keys):
+                tail = (seq.keys[-1] if seq.keys else None, span(*seq.tokens, start, seq.computed))
             self.pool.release(block, tail)
 
     def plan(self, rows: dict[int, tuple[Sequence[int], Sequence[int]]], drop: tuple[int, ...], waiting, join,
@@ -164,4 +168,4 @@ class PagedPlanner:
                 parent = seq.keys[-1] if seq.keys else None
                 seq.keys.append(self.pool.register(seq.blocks[i], parent, span(prompt, generated, i * size,
                                                                                (i + 1) * size)))
-            seq.tail = span(prompt, generated, len(seq.keys) * size, seq.computed)
+            seq.tokens = tokens[row]
