@@ -367,7 +367,7 @@ def _speaks(store, key: str, me: int, message: str, symptom: bool, wait_s: float
 def _rank_0_said(store, key: str, me: int, wait_s: float) -> str | None:
     """Rank 0's message for this failure, or None if it posted none within wait_s (or its store is gone);
     rank 0 hears that this rank has read it. wait_s 0: only what it has posted already."""
-    if not (_posted(store, f"{key}/0") if wait_s <= 0 else _wait_for(store, [f"{key}/0"], wait_s)):
+    if not _wait_for(store, [f"{key}/0"], wait_s):
         return None
     try:
         theirs = store.get(f"{key}/0").decode()
@@ -391,16 +391,11 @@ def _claim(store, key: str, message: str, symptom: bool) -> bool:
     return said != message and not symptom
 
 
-def _posted(store, key: str) -> bool:
-    try:
-        return store.check([key])
-    except RuntimeError:  # the store went with rank 0's process
-        return False
-
-
 def _wait_for(store, keys: list[str], wait_s: float = FAILURE_WAIT_S) -> bool:
-    """Whether `keys` were all set within wait_s."""
+    """Whether `keys` were all set within wait_s (0: whether they are set now, without waiting)."""
     try:
+        if wait_s <= 0:
+            return store.check(keys)
         store.wait(keys, timedelta(seconds=wait_s))
     except RuntimeError:  # timed out, or the store went with rank 0's process
         return False
