@@ -16,6 +16,7 @@ import sys
 import traceback
 
 from autotp.errors import AutotpError
+from autotp.launch import NAMES_EXITS
 
 DTYPE_CHOICES = ["float32", "bfloat16", "float16"]
 QUANTIZE_CHOICES = ["int8", "int4"]  # autotp.quant.KINDS, without importing torch for the flags
@@ -422,6 +423,11 @@ def main(argv: list[str] | None = None) -> int:
         # it, and another rank only a failure rank 0 does not share (distributed.fail decides which, through
         # the process group's store)
         gone = distributed.exited_rank(e)
+        if gone is not None and os.environ.get(NAMES_EXITS):
+            # a peer's process ended mid-collective: autotp's launcher names it (with the signal that killed it,
+            # or the peer said its own failure); this rank's line would be the symptom, said first when this
+            # rank notices before the launcher stops it
+            return code
         return distributed.fail(message, code=code, symptom=distributed.peer_lost(e),
                                 rank_0_exited=gone is not None and gone.rank == 0)
     finally:

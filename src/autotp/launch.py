@@ -28,6 +28,9 @@ import uuid
 from pathlib import Path
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM)
+# Set in each rank's environment: this launcher names a rank whose process ended (its signal, or the rank has said
+# its own failure), so a peer that only saw it go (parallel.shm.PeerGone) has nothing to add
+NAMES_EXITS = "AUTOTP_LAUNCHER_NAMES_EXITS"
 
 
 class _Stopped(Exception):
@@ -106,6 +109,7 @@ def launch(tp: int, argv: list[str]) -> int:
     # what failed is said by the ranks, or below
     logging.getLogger("torch.distributed").setLevel(logging.CRITICAL)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(tp)))
+    os.environ[NAMES_EXITS] = "1"
     received: list[int] = []
 
     def forward(sig: int, _frame) -> None:
