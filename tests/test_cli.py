@@ -35,11 +35,25 @@ def error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("autotp: error")]
 
 
-def test_plan_of_starcoder_from_its_config_alone():
+def cli(capsys, *args: str) -> tuple[int, str, str]:
+    """`autotp ARGS` in this process, where a process of its own is not what the test is about (a Python with
+    torch and transformers costs ~3.5 s to start): (exit code, stdout, stderr). test_launch, test_said_once and
+    test_help_and_flag_errors_import_neither_torch_nor_transformers run the command as its own process."""
+    from autotp.cli import main
+
+    try:
+        code = main(list(args))
+    except SystemExit as e:  # argparse's flag errors
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_plan_of_starcoder_from_its_config_alone(capsys):
     assert sorted(p.name for p in STARCODER.iterdir()) == ["config.json"]
-    out = autotp("plan", "--model", str(STARCODER), "--tp", "4", "--json")
-    assert out.returncode == 0, out.stderr
-    report = json.loads(out.stdout)
+    code, out, err = cli(capsys, "plan", "--model", str(STARCODER), "--tp", "4", "--json")
+    assert code == 0, err
+    report = json.loads(out)
     assert [r["q_heads"] for r in report["ranks"]] == [[0, 12], [12, 24], [24, 36], [36, 48]]
     c_attn = {r["rank"]: next(t for t in r["tensors"] if t["name"] == "transformer.h.0.attn.c_attn.weight")
               for r in report["ranks"]}
@@ -47,11 +61,11 @@ def test_plan_of_starcoder_from_its_config_alone():
     assert c_attn[3]["local_shape"] == [1792, 6144]
     totals = [r["total_bytes"] for r in report["ranks"]]
     assert totals[0] == totals[3] and 7.3 * 2**30 < totals[0] < 7.5 * 2**30  # 31 GB bf16 / 4 + replicated
-    text = autotp("plan", "--model", str(STARCODER), "--tp", "4")
-    assert "transformer.h.*.attn.c_attn.weight x40" in text.stdout
+    assert "transformer.h.*.attn.c_attn.weight x40" in cli(capsys, "plan", "--model", str(STARCODER), "--tp", "4")[1]
 
 
 def test_plan_rejects_more_ranks_than_heads_in_one_line():
+    """As its own process: the exit code and stderr a shell sees."""
     out = autotp("plan", "--model", str(STARCODER), "--tp", "64")
     assert out.returncode == 2
     assert out.stderr.strip() == ("autotp: error: tp_size 64 exceeds the 48 query heads: "
@@ -118,33 +132,33 @@ def test_generate_errors_are_one_line_from_rank_0(checkpoint, args, message):
     assert not [line for line in out.stderr.splitlines() if line.strip().startswith("File") and "autotp" in line]
 
 
-def test_generate_errors_in_a_single_process(tmp_path, checkpoint):
-    out = autotp("generate", "--model", str(tmp_path / "nope"), "--input-ids", "1")
-    assert out.returncode == 2 and error_lines(out.stderr) == [
-        f"autotp: error: --model '{tmp_path / 'nope'}' is not a directory"]
-    out = autotp("generate", "--model", str(STARCODER), "--input-ids", "1")
-    assert out.returncode == 2 and "no model.safetensors or model.safetensors.index.json" in out.stderr
+def test_generate_errors_in_a_single_process(tmp_path, checkpoint, capsys):
+    def errors(*args: str) -> tuple[int, list[str]]:
+        code, _, err = cli(capsys, "generate", *args)
+        return code, error_lines(err)
+
+    assert errors("--model", str(tmp_path / "nope"), "--input-ids", "1") == (2, [
+        f"autotp: error: --model '{tmp_path / 'nope'}' is not a directory"])
+    code, lines = errors("--model", str(STARCODER), "--input-ids", "1")
+    assert code == 2 and "no model.safetensors or model.safetensors.index.json" in lines[0]
     # a config without weights, given a prompt: the weights are named, not the tokenizer it also lacks
-    out = autotp("generate", "--model", str(STARCODER), "--prompt", "def f():")
-    assert out.returncode == 2 and error_lines(out.stderr) == [
+    assert errors("--model", str(STARCODER), "--prompt", "def f():") == (2, [
         f"autotp: error: no weights in {STARCODER}: no model.safetensors or model.safetensors.index.json (autotp "
-        "reads safetensors checkpoints; `autotp plan` needs only config.json)"]
-    out = autotp("generate", "--model", checkpoint("mqa12")[0], "--tokenizer", "/nonexistent/dir", "--prompt", "x")
-    assert out.returncode == 2 and error_lines(out.stderr) == [
-        "autotp: error: --tokenizer '/nonexistent/dir' is not a directory"]  # the flag that named it
+        "reads safetensors checkpoints; `autotp plan` needs only config.json)"])
+    assert errors("--model", checkpoint("mqa12")[0], "--tokenizer", "/nonexistent/dir", "--prompt", "x") == (2, [
+        "autotp: error: --tokenizer '/nonexistent/dir' is not a directory"])  # the flag that named it
 
 
-def test_bad_flags_are_one_line(checkpoint):
-    out = autotp("generate", "--model", checkpoint("mqa12")[0], "--input-ids", "1", "--dtype", "float8")
-    assert out.returncode == 2 and out.stderr.splitlines() == [
+def test_bad_flags_are_one_line(checkpoint, capsys):
+    code, _, err = cli(capsys, "generate", "--model", checkpoint("mqa12")[0], "--input-ids", "1", "--dtype", "float8")
+    assert code == 2 and err.splitlines() == [
         "autotp: error: argument --dtype: invalid choice: 'float8' (choose from 'float32', "
         "'bfloat16', 'float16')"]
-    out = autotp("plan", "--tp", "0")
-    assert out.returncode == 2 and out.stderr.splitlines() == [
+    code, _, err = cli(capsys, "plan", "--tp", "0")
+    assert code == 2 and err.splitlines() == [
         "autotp: error: argument --tp/--tensor-parallel-size: must be at least 1, got 0"]
-    out = autotp("serve", "--speculate", "-1")
-    assert out.returncode == 2 and out.stderr.splitlines() == [
-        "autotp: error: argument --speculate: must be at least 0, got -1"]
+    code, _, err = cli(capsys, "serve", "--speculate", "-1")
+    assert code == 2 and err.splitlines() == ["autotp: error: argument --speculate: must be at least 0, got -1"]
 
 
 def test_help_and_flag_errors_import_neither_torch_nor_transformers():

@@ -6,6 +6,7 @@ import zipfile
 
 import pytest
 import torch
+from test_cli import cli
 from transformers import AutoTokenizer
 
 from autotp.cli import default_model
@@ -73,10 +74,9 @@ def test_the_installed_wheel_finds_the_model(tmp_path):
     assert where.startswith(str(site)) and model_type == "gpt_bigcode"
 
 
-def test_plan_without_model_shows_the_demo_partition():
-    out = subprocess.run([sys.executable, "-m", "autotp", "plan", "--tp", "5", "--json"], capture_output=True,
-                         text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    report = __import__("json").loads(out.stdout)
+def test_plan_without_model_shows_the_demo_partition(capsys):
+    code, out, err = cli(capsys, "plan", "--tp", "5", "--json")
+    assert code == 0, err
+    report = __import__("json").loads(out)
     assert report["family"] == "gpt_bigcode" and report["checkpoint_headers"]
     assert [r["q_heads"] for r in report["ranks"]] == [[0, 3], [3, 6], [6, 8], [8, 10], [10, 12]]

@@ -1,9 +1,8 @@
 """The sampling rules `autotp generate` and `autotp serve` share (autotp.sampling), and the CLI applying them."""
 
-import subprocess
-import sys
 
 import pytest
+from test_cli import cli
 
 from autotp.sampling import SEED_MAX, SEED_MIN, SamplingError, check_sampling
 
@@ -26,8 +25,7 @@ def test_temperatures_that_would_underflow_are_greedy():
     assert check_sampling(seed=SEED_MAX).seed == SEED_MAX and check_sampling(seed=SEED_MIN).seed == SEED_MIN
 
 
-def test_the_cli_applies_the_same_rules_before_loading_anything():
-    """The server refused top_p > 1 and the CLI sampled with it; one process (each costs seconds of imports)."""
-    out = subprocess.run([sys.executable, "-m", "autotp", "generate", "--model", "/nonexistent", "--prompt", "x",
-                          "--top-p", "2", "--do-sample"], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and out.stderr.strip() == "autotp: error: --top-p must be in (0, 1], got 2.0", out.stderr
+def test_the_cli_applies_the_same_rules_before_loading_anything(capsys):
+    """The server refused top_p > 1 and the CLI sampled with it."""
+    code, _, err = cli(capsys, "generate", "--model", "/nonexistent", "--prompt", "x", "--top-p", "2", "--do-sample")
+    assert code == 2 and err.strip() == "autotp: error: --top-p must be in (0, 1], got 2.0", err

@@ -12,8 +12,6 @@ import json
 import os
 import re
 import socket
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -25,7 +23,8 @@ import torch
 from huggingface_hub import InferenceClient
 from huggingface_hub.errors import ValidationError
 from prometheus_client.parser import text_string_to_metric_families
-from serve_harness import ENV, Server
+from serve_harness import Server
+from test_cli import cli
 
 from autotp.generate import generate
 
@@ -427,12 +426,13 @@ def test_a_413_reaches_a_client_that_writes_its_whole_body_first(server):
 
 @pytest.mark.parametrize("args, env, source", [(["--api-key", ""], {}, "--api-key"),
                                                ([], {"AUTOTP_API_KEY": ""}, "AUTOTP_API_KEY")])
-def test_an_empty_api_key_is_refused_at_start(model_dir, args, env, source):
+def test_an_empty_api_key_is_refused_at_start(model_dir, capsys, monkeypatch, args, env, source):
     """--api-key "$KEY" with KEY unset passes '': a server open to anyone would be the silent outcome."""
-    out = subprocess.run([sys.executable, "-m", "autotp", "serve", "--model", model_dir, *args],
-                         capture_output=True, text=True, timeout=60, env={**ENV, **env})
-    assert out.returncode == 2 and out.stderr.strip() == f"autotp: error: {source} is empty: give a key, or leave it " \
-                                                         "out to serve without one", out.stderr
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    code, _, err = cli(capsys, "serve", "--model", model_dir, *args)
+    assert code == 2 and err.strip() == f"autotp: error: {source} is empty: give a key, or leave it out to serve " \
+                                        "without one", err
 
 
 def test_the_log_has_one_line_per_request(server):

@@ -12,15 +12,14 @@ stop strings, chat) and huggingface_hub's InferenceClient (TGI's /generate and /
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import sentencepiece_model
 import torch
 from fim_model import CHAT_TEMPLATE
 from huggingface_hub import InferenceClient
-from serve_harness import ENV, Server
+from serve_harness import Server
+from test_cli import cli
 
 from autotp.generate import generate
 
@@ -143,12 +142,12 @@ def test_tgi_generate_and_generate_stream(server, expected):
     assert stopped.generated_text == " +" and stopped.details.finish_reason == "stop_sequence"  # TGI keeps it
 
 
-def test_generate_json_text_is_what_the_server_answers(model_dir, expected):
+def test_generate_json_text_is_what_the_server_answers(model_dir, expected, capsys):
     """`autotp generate --json` writes the completion's text as the server answers it (README: temperature 0
     gives exactly generate's text)."""
     ids, text = expected
-    out = subprocess.run([sys.executable, "-m", "autotp", "generate", "--model", model_dir, "--prompt", PROMPT,
-                          "--max-new-tokens", str(N), "--json"], capture_output=True, text=True, timeout=120, env=ENV)
-    assert out.returncode == 0, out.stderr[-2000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    code, out, err = cli(capsys, "generate", "--model", model_dir, "--prompt", PROMPT, "--max-new-tokens", str(N),
+                         "--json")
+    assert code == 0, err[-2000:]
+    result = json.loads(out.strip().splitlines()[-1])
     assert result["text"] == text and result["output_ids"][0][-N:] == ids

@@ -9,6 +9,8 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -196,15 +198,18 @@ def test_a_hub_that_never_answers_is_one_line_naming_it(tmp_path, family_checkpo
     plan`, `autotp generate` at tp 2 and a --tokenizer hub id each stop with one line naming the endpoint."""
     with SilentHub() as hub:
         env = {**_hub_env(hub, tmp_path / "hf"), "AUTOTP_HUB_TIMEOUT": "3", "OMP_NUM_THREADS": "1"}
-        runs = {
-            "plan": subprocess.run([sys.executable, "-m", "autotp", "plan", "--model", "org/name", "--tp", "2"],
-                                   env=env, capture_output=True, text=True, timeout=60),
-            "generate": torchrun(2, "-m", "autotp", "generate", "--model", "org/name", "--input-ids", "1,2",
-                                 env=env, timeout=60),
-            "tokenizer": subprocess.run([sys.executable, "-m", "autotp", "generate", "--model",
-                                         family_checkpoint("gpt2")[0], "--tokenizer", "org/tok", "--prompt", "x"],
-                                        env=env, capture_output=True, text=True, timeout=60),
-        }
+        alone = partial(subprocess.run, env=env, capture_output=True, text=True, timeout=60)
+        with ThreadPoolExecutor(3) as started:  # at once: each spends its 3 s waiting on the hub
+            runs = {
+                "plan": started.submit(alone, [sys.executable, "-m", "autotp", "plan", "--model", "org/name", "--tp",
+                                               "2"]),
+                "generate": started.submit(torchrun, 2, "-m", "autotp", "generate", "--model", "org/name",
+                                           "--input-ids", "1,2", env=env, timeout=60),
+                "tokenizer": started.submit(alone, [sys.executable, "-m", "autotp", "generate", "--model",
+                                                    family_checkpoint("gpt2")[0], "--tokenizer", "org/tok", "--prompt",
+                                                    "x"]),
+            }
+            runs = {what: run.result() for what, run in runs.items()}
         assert hub.connections >= 3
     for what, run in runs.items():
         lines = [line for line in run.stderr.splitlines() if line.startswith("autotp: error")]
