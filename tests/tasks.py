@@ -90,19 +90,23 @@ def die_while_generating(model_dir: str, victim: int, out: str, at_forward: int 
         json.dump(outcome | {"forwards": len(calls)}, f)
 
 
-def report_failure(messages: list[str], rank0_late_s: float = 0.0, symptoms: list[bool] | None = None) -> list[str]:
+def report_failure(messages: list[str], rank0_late_s: float = 0.0, symptoms: list[bool] | None = None,
+                   wait_s: float | None = None) -> list[str]:
     """`autotp.distributed.fail(messages[rank], symptom=symptoms[rank])` on every rank as the CLI calls it, rank 0
-    `rank0_late_s` after the others: the lines this rank printed."""
+    `rank0_late_s` after the others: the lines this rank printed. wait_s: FAILURE_WAIT_S for this call (the
+    rules are the same at any bound; a shorter one spends less of the suite's time waiting it out)."""
     import contextlib
     import io
     import time
+    from unittest import mock
 
     from autotp import distributed
 
     if dist.get_rank() == 0:
         time.sleep(rank0_late_s)
     printed = io.StringIO()
-    with contextlib.redirect_stderr(printed):
+    bound = mock.patch.object(distributed, "FAILURE_WAIT_S", wait_s or distributed.FAILURE_WAIT_S)
+    with contextlib.redirect_stderr(printed), bound:
         symptom = bool(symptoms and symptoms[dist.get_rank()])
         assert distributed.fail(messages[dist.get_rank()], code=2, symptom=symptom) == 2
     return printed.getvalue().splitlines()
