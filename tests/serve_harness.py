@@ -48,13 +48,15 @@ class Server:
 
     def __init__(self, model_dir: str | None, log: Path, *args: str, api_key: str = "unused", ranks: int = 2,
                  script: str | None = None, env: dict | None = None, torchrun: bool = True, tp_flag: bool = False,
-                 dtype: str | None = "float32"):
+                 dtype: str | None = "float32", wait: bool = True):
         """script: a file torchrun runs instead of `-m autotp` (one that patches autotp, then calls its main).
         model_dir None: the embedded demo model, served as autotp-demo. torchrun=False: one process, `python -m
         autotp serve` (tp 1), as a user starts it without torchrun. tp_flag: `python -m autotp serve --tp RANKS`,
         which starts its ranks itself, instead of torchrun. dtype: --dtype unless args give one (None: serve's own
         choice); float32 by default because the tests' checkpoints and their HF oracle are float32, and serve would
-        hold them in bfloat16 on a CPU with native bfloat16 products (runner/weight_form.py)."""
+        hold them in bfloat16 on a CPU with native bfloat16 products (runner/weight_form.py). wait False: started,
+        and up() waits for it, so that servers a test needs together start at once (each start is mostly one
+        core's imports)."""
         self.model_id, self.log, self.api_key = Path(model_dir).name if model_dir else "autotp-demo", log, api_key
         entry = [script] if script else ["-m", "autotp"]
         model = ["--model", model_dir] if model_dir else []
@@ -67,6 +69,11 @@ class Server:
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**ENV, **(env or {})},
                                          start_new_session=True)
+        if wait:
+            self.up()
+
+    def up(self) -> Server:
+        """Wait until it serves: its address, its ranks and a client."""
         deadline = time.monotonic() + START_TIMEOUT_S
         while not (found := re.search(r"on (http://127\.0\.0\.1:(\d+))", self.text())):
             assert self.proc.poll() is None, f"server exited {self.proc.returncode}:\n{self.text()[-3000:]}"
@@ -74,7 +81,8 @@ class Server:
             time.sleep(0.2)
         self.url, self.port = found.group(1), int(found.group(2))
         self.ranks = children(self.proc.pid)
-        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=60)
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.api_key, max_retries=0, timeout=60)
+        return self
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")

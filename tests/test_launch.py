@@ -52,9 +52,11 @@ def test_two_servers_with_tp_2_on_one_host_serve_then_stop(tmp_path):
     """Both start (each launch opens its rendezvous on a port the OS picks), both answer the openai client. SIGTERM
     (what `docker stop` and systemd send) drains the first and exits 0 with autotp's lines only; the second loses
     a rank to SIGKILL, which is named in one line, and exits 1."""
-    first = Server(None, tmp_path / "first.log", tp_flag=True)
-    second = Server(None, tmp_path / "second.log", tp_flag=True)
+    first = Server(None, tmp_path / "first.log", tp_flag=True, wait=False)
+    second = Server(None, tmp_path / "second.log", tp_flag=True, wait=False)
     try:
+        for server in (first, second):
+            server.up()
         for server in (first, second):
             assert len(server.ranks) == 2
             done = server.client.completions.create(model="autotp-demo", prompt=PROMPT, max_tokens=8, temperature=0)

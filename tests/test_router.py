@@ -164,7 +164,9 @@ def fleet(tmp_path_factory):
     try:
         for i, (ranks, torchrun) in enumerate([(1, False), (1, False), (2, True)]):
             replicas.append(Server(str(DEMO), logs / f"replica{i}.log", "--api-key", KEY, api_key=KEY, ranks=ranks,
-                                   torchrun=torchrun))
+                                   torchrun=torchrun, wait=False))
+        for r in replicas:
+            r.up()
         router = Router([r.url for r in replicas], logs / "router.log")
         yield router, replicas
     finally:
