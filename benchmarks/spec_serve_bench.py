@@ -10,7 +10,10 @@ prompts through the `openai` client. A run starts each server once (off and on, 
 run to run, since this machine drifts) and measures every concurrency on it.
 
     python benchmarks/spec_serve_bench.py [--model smollm2] [--k 4] [--concurrency 8 32] [--runs 3]
+        [--baseline REV]
 
+--baseline REV compares two engines instead, both at --speculate K: REV's (servers.py's "old:1", a worktree)
+as "off" and this tree's as "on" (a change to how drafts are scheduled, measured on the same load).
 Prints a table, merges it into benchmarks/results/spec_serve_bench.json under `runs`, keyed by --run.
 """
 
@@ -76,44 +79,55 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[8, 32])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--run", default=None, help="this run's key in the results file (default: the UTC time)")
+    parser.add_argument("--baseline", default=None, help="a commit: its engine against this tree's, both at K")
+    parser.add_argument("--dtype", default=None, help="serve's --dtype (default: its own choice, bfloat16 on a CPU "
+                                                      "with native bfloat16, where a different batch can flip a tie)")
     args = parser.parse_args()
     path = model_path(args.model)
     edits = edit_prompts(path, 8)
-    samples = {(k, c): [] for k in (0, args.k) for c in args.concurrency}
+    # "off" and "on": (system, --speculate)
+    systems = ({"off": ("new:1", 0), "on": ("new:1", args.k)} if args.baseline is None else
+               {"off": ("old:1", args.k), "on": ("new:1", args.k)})
+    names = ({"off": "--speculate 0", "on": f"--speculate {args.k}"} if args.baseline is None else
+             {"off": f"{args.baseline}, K={args.k}", "on": f"this tree, K={args.k}"})
+    samples = {(s, c): [] for s in systems for c in args.concurrency}
     same = True
     with tempfile.TemporaryDirectory() as scratch:
         for run in range(args.runs):
-            order = (0, args.k) if run % 2 == 0 else (args.k, 0)
+            order = ("off", "on") if run % 2 == 0 else ("on", "off")
             texts = {}
-            for k in order:
-                proc, url = start("new:1", "", path, Path(scratch) / f"k{k}.log", ["--speculate", str(k)])
+            for side in order:
+                system, k = systems[side]
+                proc, url = start(system, args.baseline or "", path, Path(scratch) / f"{side}.log",
+                                  ["--speculate", str(k), *(["--dtype", args.dtype] if args.dtype else [])])
                 try:
                     for c in args.concurrency:
                         got = asyncio.run(load(url, edits, c))
-                        samples[k, c].append(got["tokens_per_s"])
-                        texts[k, c] = got["texts"]
+                        samples[side, c].append(got["tokens_per_s"])
+                        texts[side, c] = got["texts"]
                 finally:
                     stop(proc)
-                print(f"run {run + 1}, --speculate {k}: done", file=sys.stderr, flush=True)
-            same = same and all(texts[0, c] == texts[args.k, c] for c in args.concurrency)
+                print(f"run {run + 1}, {names[side]}: done", file=sys.stderr, flush=True)
+            same = same and all(texts["off", c] == texts["on", c] for c in args.concurrency)
     rows = []
     for c in args.concurrency:
-        off, on = samples[0, c], samples[args.k, c]
+        off, on = samples["off", c], samples["on", c]
         rows.append({"concurrency": c, "off_tok_s": off, "on_tok_s": on,
                      "ratio_median": statistics.median(on) / statistics.median(off),
                      "ratios": [b / a for a, b in zip(off, on, strict=True)]})
     print(f"{args.model} model, {cpus()} CPUs, 1 rank, code-edit requests, greedy, {NEW_TOKENS} new tokens, "
           f"{args.runs} runs (median, min-max)")
-    print(f"{'concurrency':>11} {'--speculate 0 tok/s':>24} {f'--speculate {args.k} tok/s':>24} {'on / off':>18}")
+    print(f"{'concurrency':>11} {names['off'] + ' tok/s':>24} {names['on'] + ' tok/s':>24} {'on / off':>18}")
     for r in rows:
         off, on = r["off_tok_s"], r["on_tok_s"]
         print(f"{r['concurrency']:>11} {statistics.median(off):>8.1f} ({min(off):.1f}-{max(off):.1f}) "
               f"{statistics.median(on):>10.1f} ({min(on):.1f}-{max(on):.1f}) {r['ratio_median']:>8.2f}x "
               f"({min(r['ratios']):.2f}-{max(r['ratios']):.2f})")
-    print(f"every text the same with and without drafts: {same}")
+    print(f"every text the same on both servers: {same}")
     key = args.run or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     write_json(HERE / "results" / "spec_serve_bench.json", {"runs": {key: {
         "cpus": cpus(), "model": args.model, "k": args.k, "new_tokens": NEW_TOKENS, "runs": args.runs,
+        "off": names["off"], "on": names["on"], "dtype": args.dtype or "serve's choice",
         "rows": rows, "same_text": same}}})
 
 
