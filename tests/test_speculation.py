@@ -211,37 +211,3 @@ def test_a_client_of_a_speculating_server_gets_the_text_it_gets_without(demo, tm
         assert seen["autotp:spec_decode_num_draft_tokens_total"] >= seen["autotp:spec_decode_num_accepted_tokens_total"]
     finally:
         server.kill()
-
-
-def test_a_step_drafts_at_most_draft_positions_tokens_longest_first_and_no_text_changes(demo, monkeypatch):
-    """12 rows of the demo model, each with drafts of up to 4 tokens, at most 8 draft positions per step: no
-    step drafts more, the rows left without a draft are those whose drafts were shorter than every kept one,
-    and every row's text is the one without speculation."""
-    import autotp.serve.engine.loop as engine_module
-
-    model, tok = demo
-    ids = tok(CODE).input_ids
-    prompts = [ids + ids[:n] for n in range(12)]
-    totals, ended = [], {}
-    for k in (0, 4):
-        engine = engine_for(model, tok, speculate=k)
-        engine.metrics = Metrics(lambda: 0, lambda: 0, lambda: 0.0)
-        drafts = engine._drafts
-
-        def capped(engine=engine, drafts=drafts):
-            monkeypatch.setattr(engine_module, "DRAFT_POSITIONS", 10_000)
-            every = {r: len(d) for r, d in drafts().items()}
-            monkeypatch.setattr(engine_module, "DRAFT_POSITIONS", 8)
-            out = drafts()
-            assert all(not a.draft for r, a in engine.active.items() if r not in out)
-            if out:
-                assert all(n <= min(map(len, out.values())) for r, n in every.items() if r not in out)
-            totals.append(sum(map(len, out.values())))
-            return out
-
-        engine._drafts = capped
-        jobs = [job(p, 24, index=i) for i, p in enumerate(prompts)]
-        drive(engine, {0: jobs})
-        ended[k] = [tokens_of(j.emit.ended) for j in jobs]
-    assert ended[4] == ended[0]
-    assert max(totals) == 8, totals

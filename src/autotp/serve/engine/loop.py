@@ -89,14 +89,6 @@ class StopFlag:
         return 0.0 if self.at is None else time.monotonic() - self.at
 
 
-# Draft positions per step. A draft costs compute whether it stands or not, and the rows of the short attention
-# group are padded to its longest query (attention.py), so one drafting row makes every decoding row attend with
-# 1 + K queries. Measured with the engine that gave drafted rows a call of their own (serve_bench, demo model,
-# K = 4, tokens/s against no speculation, medians of 5 runs): uncapped 1.26x at 8 rows, 0.96x at 32; capped at 32
-# positions, 1.47x and 0.99x.
-DRAFT_POSITIONS = 32
-
-
 class Engine:
     """Rank 0's scheduler: `submit` from any thread, `run` in the main thread until `stopping` is set.
 
@@ -276,8 +268,7 @@ class Engine:
         return a.row.ids, a.tokens
 
     def _drafts(self) -> dict[int, tuple[int, ...]]:
-        """Each decoding row's prompt-lookup draft (lookup.py), no longer than its budget leaves room for; past
-        DRAFT_POSITIONS in all, the longest drafts (then the oldest rows) keep theirs and the others have none."""
+        """Each decoding row's prompt-lookup draft (lookup.py), no longer than its budget leaves room for."""
         drafts = {}
         for row, a in self.active.items():
             room = min(self.speculate, a.row.max_tokens - len(a.tokens) - 1)
@@ -289,13 +280,6 @@ class Engine:
             a.draft = lookup.draft(np.concatenate((a.prompt, np.asarray(a.tokens, dtype=np.int64))), room)
             if a.draft:
                 drafts[row] = a.draft
-        left = DRAFT_POSITIONS
-        for row in sorted(drafts, key=lambda r: -len(drafts[r])):  # stable: the oldest first among equals
-            if len(drafts[row]) > left:
-                self.active[row].draft = ()
-                del drafts[row]
-            else:
-                left -= len(drafts[row])
         return drafts
 
     def _unqueue(self, job: Request) -> Request:
