@@ -56,9 +56,7 @@ def test_two_servers_with_tp_2_on_one_host_serve_then_stop(tmp_path):
     second = Server(None, tmp_path / "second.log", tp_flag=True, wait=False)
     try:
         for server in (first, second):
-            server.up()
-        for server in (first, second):
-            assert len(server.ranks) == 2
+            assert len(server.up().ranks) == 2
             done = server.client.completions.create(model="autotp-demo", prompt=PROMPT, max_tokens=8, temperature=0)
             assert done.usage.completion_tokens == 8
         running = first.client.completions.create(model="autotp-demo", prompt=PROMPT, max_tokens=64, temperature=0,

@@ -81,19 +81,19 @@ def test_models_and_health(server, model_dir):
 def test_greedy_completion_equals_autotp_generate(server, model_dir, capsys):
     """`autotp generate` at tp 1, in this process, against the server at tp 2: float32, so the greedy tokens are
     the unsharded model's either way (test_the_cli_and_the_server_sample_the_same_text runs generate at tp 2)."""
-    def autotp_generate(*args: str) -> str:
+    def generated(*args: str) -> str:
         code, out, err = cli(capsys, "generate", "--model", model_dir, *args, "--json")
         assert code == 0, err
         return json.loads(out)["text"]
 
     prompt, suffix = "def add(a, b):", "\n    return c\n"
     plain = server.client.completions.create(model=server.model_id, prompt=prompt, max_tokens=24, temperature=0)
-    assert plain.choices[0].text == autotp_generate("--prompt", prompt, "--max-new-tokens", "24")
+    assert plain.choices[0].text == generated("--prompt", prompt, "--max-new-tokens", "24")
     assert plain.usage.prompt_tokens == 7 and plain.usage.completion_tokens == 24
     assert plain.choices[0].finish_reason == "length"
     fim = server.client.completions.create(model=server.model_id, prompt=prompt, suffix=suffix, max_tokens=24,
                                            temperature=0)
-    assert fim.choices[0].text == autotp_generate("--prompt", prompt, "--suffix", suffix, "--max-new-tokens", "24")
+    assert fim.choices[0].text == generated("--prompt", prompt, "--suffix", suffix, "--max-new-tokens", "24")
     assert fim.choices[0].text != plain.choices[0].text
 
 

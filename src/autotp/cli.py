@@ -16,7 +16,7 @@ import sys
 import traceback
 
 from autotp.errors import AutotpError
-from autotp.launch import NAMES_EXITS
+from autotp.launch import NAMES_EXITS, launch
 
 DTYPE_CHOICES = ["float32", "bfloat16", "float16"]
 QUANTIZE_CHOICES = ["int8", "int4"]  # autotp.quant.KINDS, without importing torch for the flags
@@ -398,8 +398,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.command != "plan" and args.tp is not None:
         world = launcher_world()
         if world is None and args.tp > 1:
-            from autotp.launch import launch
-
             return launch(args.tp, argv)  # each rank runs this argv again, under WORLD_SIZE = --tp
         if world is not None and world != str(args.tp):
             return command_line_error(f"--tp {args.tp} disagrees with the {world} ranks its launcher started "
