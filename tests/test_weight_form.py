@@ -1,8 +1,9 @@
 """The form serve holds the weights in on CPU (serve/runner/weight_form.py).
 
-gemv.c, the float32 kernel for products of a few rows (parallel/gemv.py): F.linear's results within float32
-rounding on every shape it takes, F.linear itself past ROWS rows or while off, kept inside a compiled graph. The
-dtype: a float32 checkpoint in bfloat16 only where the CPU multiplies bfloat16 natively. From the user's side:
+gemv.c, the float32 and bfloat16 kernel for products of a few rows (parallel/gemv.py): F.linear's results within
+float32 rounding on every shape it takes (bfloat16: each output the float32 sum rounded once, as F.linear's),
+F.linear itself past its rows or while off, kept inside a compiled graph. The dtype: a float32 checkpoint in
+bfloat16 only where the CPU multiplies bfloat16 natively. From the user's side:
 `autotp serve` names both at start-up and answers with HF's greedy text, with the kernel and without a C compiler.
 The bfloat16 model's numbers against the float32 one's: test_real_model.py.
 """
@@ -46,13 +47,68 @@ def test_the_kernel_gives_f_linears_products_within_float32_rounding(kernel, row
     torch.testing.assert_close(gemv.linear(strided, w), F.linear(strided, w), rtol=1e-5, atol=1e-4)
 
 
+@pytest.fixture
+def bf16_kernel(kernel):
+    """gemv.c's bfloat16 loop, each call counted; skipped where the CPU has no AVX512_BF16 (the loop is not built)."""
+    if not gemv.takes(torch.bfloat16):
+        pytest.skip("gemv.c's bfloat16 loop is built only where the CPU has AVX512_BF16")
+    function, rows = gemv._kernels[torch.bfloat16]
+    calls = []
+    gemv._kernels[torch.bfloat16] = (lambda *args: calls.append(args[4]) or function(*args), rows)
+    yield calls
+    gemv._kernels[torch.bfloat16] = (function, rows)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, gemv.ROWS_BF16])
+@pytest.mark.parametrize("k", [576, 96, 37])  # whole 64-wide steps, one 32-wide step after them, a ragged tail
+def test_the_bfloat16_kernel_rounds_the_float32_sum_once(bf16_kernel, rows, k):
+    """Each output is the float32 sum of the bfloat16 products, rounded to nearest bfloat16 once: within half a
+    bfloat16 step of the exact product (the float32 sum's own error is far smaller), and close to F.linear's."""
+    g = torch.Generator().manual_seed(rows * 100 + k)
+    w, b = torch.randn(300, k, generator=g).bfloat16(), torch.randn(300, generator=g).bfloat16()
+    x = torch.randn(1, rows, k, generator=g).bfloat16()
+    for bias in (None, b):
+        got = gemv.linear(x, w, bias)
+        exact = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+        assert got.dtype == torch.bfloat16 and got.shape == (1, rows, 300)
+        half_step = exact.abs() * 2 ** -8 + 1e-4  # rounded to nearest: half a bfloat16 step (8 significant bits)
+        assert ((got.double() - exact).abs() <= half_step).all()
+        torch.testing.assert_close(got, F.linear(x, w, bias), rtol=2 ** -7, atol=1e-2)
+    assert bf16_kernel == [rows, rows]  # the kernel ran, once per product
+
+
+def test_a_bfloat16_model_decoding_through_the_kernel_scores_as_through_f_linear(bf16_kernel):
+    """The demo model in bfloat16, decoded a token at a time (every product one row: the kernel) against one forward
+    over the whole sequence (F.linear's GEMM): the same next token at >= 90 % of positions, each token's
+    log-probability within 0.25 nats (mean 0.05): the bounds test_real_model.py holds bfloat16 to against float32."""
+    from transformers import DynamicCache
+
+    import autotp
+    from autotp.cli import default_model
+
+    model = autotp.from_pretrained(default_model(), dtype="bfloat16")
+    ids = torch.tensor([[5, 17, 99, 3, 42, 8, 250, 31, 77, 12, 64, 9, 140, 23, 56, 88]])
+    with torch.no_grad():
+        whole = torch.log_softmax(model(ids).logits[0].float(), -1)
+        calls = len(bf16_kernel)
+        cache = DynamicCache()
+        steps = [model(ids[:, i:i + 1], past_key_values=cache, use_cache=True).logits[0, -1] for i in range(16)]
+    stepped = torch.log_softmax(torch.stack(steps).float(), -1)
+    assert calls == 0 and len(bf16_kernel) >= 16 * 4  # the GEMM took no row through the kernel, decoding did
+    drift = (whole[:-1] - stepped[:-1]).gather(-1, ids[0, 1:, None]).abs()  # each next token's log-probability
+    assert (whole.argmax(-1) == stepped.argmax(-1)).float().mean() >= 0.9
+    assert drift.max() <= 0.25 and drift.mean() <= 0.05, drift
+
+
 def test_f_linear_itself_past_rows_for_other_dtypes_and_while_off(kernel):
     g = torch.Generator().manual_seed(0)
     w = torch.randn(64, 32, generator=g)
     many = torch.randn(gemv.ROWS + 1, 32, generator=g)
     assert torch.equal(gemv.linear(many, w), F.linear(many, w))  # a prefill chunk: MKL's GEMM
+    many = torch.randn(gemv.ROWS_BF16 + 1, 32, generator=g).bfloat16()
+    assert torch.equal(gemv.linear(many, w.bfloat16()), F.linear(many, w.bfloat16()))  # oneDNN's AMX GEMM
     x = torch.randn(2, 32, generator=g)
-    assert torch.equal(gemv.linear(x.bfloat16(), w.bfloat16()), F.linear(x.bfloat16(), w.bfloat16()))
+    assert torch.equal(gemv.linear(x.half(), w.half()), F.linear(x.half(), w.half()))
     conv1d = w.t().contiguous().t()  # a weight stored transposed (HF's Conv1D)
     assert torch.equal(gemv.linear(x, conv1d), F.linear(x, conv1d))
     gemv._on = False
@@ -129,7 +185,8 @@ def test_a_float32_checkpoint_is_held_in_bfloat16_only_where_the_cpu_multiplies_
 
 def test_serve_on_a_cpu_with_native_bfloat16_holds_a_float32_checkpoint_in_bfloat16(tmp_path):
     """The demo model (float32) served as a user starts it, on a CPU that says it has AMX: the start-up line says
-    bfloat16 and why, names no float32 kernel, and a completion arrives. Its numbers: test_real_model.py."""
+    bfloat16 and why, and which kernel takes bfloat16 products of a few rows (gemv.c where this CPU has AVX512_BF16,
+    else F.linear and why), and a completion arrives. Its numbers: test_real_model.py and the kernel's tests above."""
     server = Server(None, tmp_path / "server.log", "--kv-cache-memory", "2MiB", torchrun=False, dtype=None,
                     script=str(Path(__file__).parent / "native_bf16.py"))
     try:
@@ -138,6 +195,8 @@ def test_serve_on_a_cpu_with_native_bfloat16_holds_a_float32_checkpoint_in_bfloa
                                    "temperature": 0})
     finally:
         server.kill()
+    kernel = "gemv.c" if gemv.enable() is None and gemv.takes(torch.bfloat16) else "torch F.linear ("
+    gemv._on = False  # the other tests keep a library user's F.linear
     assert "weights: bfloat16 from the float32 checkpoint (this CPU multiplies bfloat16 natively: AMX; --dtype " \
-           "float32 keeps float32)\n" in said, said
+           f"float32 keeps float32); bfloat16 products of up to {gemv.ROWS_BF16} rows: {kernel}" in said, said
     assert status == 200 and got["usage"]["completion_tokens"] == 8, got

@@ -8,7 +8,8 @@
   int8 95.7 ms and int4 143.6 ms with float32 activations, 20.8 and 12.6 ms with bfloat16; float32 weights
   through gemv.c 39.3 ms).
   `--dtype` decides instead where given; a bfloat16 or float16 checkpoint stays as stored.
-- kernel: float32 products of a few rows go through gemv.c (parallel/gemv.py) unless AUTOTP_GEMV=0.
+- kernel: float32 and bfloat16 products of a few rows go through gemv.c (parallel/gemv.py) unless AUTOTP_GEMV=0;
+  bfloat16 only where the CPU has AVX512_BF16's dot product (gemv.c's loop for it is built only there).
 """
 
 from __future__ import annotations
@@ -47,9 +48,14 @@ def choose_dtype(asked: str | None, stored: torch.dtype | None, device: torch.de
 
 
 def kernels(net, device: torch.device) -> str | None:
-    """float32 weights on CPU: few-row products through gemv.c unless AUTOTP_GEMV=0; what the start-up line says
-    (None where there is nothing to choose)."""
-    if device.type != "cpu" or next(net.parameters()).dtype != torch.float32:
+    """float32 or bfloat16 weights on CPU: few-row products through gemv.c unless AUTOTP_GEMV=0; what the start-up
+    line says (None where there is nothing to choose)."""
+    dtype = next(net.parameters()).dtype
+    rows = {torch.float32: gemv.ROWS, torch.bfloat16: gemv.ROWS_BF16}.get(dtype)
+    if device.type != "cpu" or rows is None:
         return None
     why = "AUTOTP_GEMV=0" if os.environ.get("AUTOTP_GEMV", "1") == "0" else gemv.enable()
-    return f"float32 products of up to {gemv.ROWS} rows: {f'torch F.linear ({why})' if why else 'gemv.c'}"
+    if why is None and not gemv.takes(dtype):
+        why = "this CPU has no AVX512_BF16 dot product"
+    name = str(dtype).removeprefix("torch.")
+    return f"{name} products of up to {rows} rows: {f'torch F.linear ({why})' if why else 'gemv.c'}"
