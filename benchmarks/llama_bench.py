@@ -25,7 +25,7 @@ with OMP_NUM_THREADS=CORES. Every request is greedy; a request's text is compare
         [--systems llama autotp "autotp:--speculate 0" "autotp:--compile --speculate 0"]
 
 A system is `llama` or `autotp` with its `autotp serve` flags after a colon (by default: speculation on, 4 draft
-tokens, as serve starts).
+tokens, as serve starts); a `VAR=VALUE` among them goes to its environment instead (`autotp:AUTOTP_GEMV=0`).
 
 Prints a table, merges it into benchmarks/results/llama_bench.json under `runs`, keyed by --run.
 """
@@ -169,7 +169,18 @@ def main() -> None:
             if system == "llama":
                 proc, url = start_llama(args.llama_server, gguf(model, args.llama_cpp), log)
             else:
-                proc, url = start("new:1", "", model, log, system.partition(":")[2].split())
+                words = system.partition(":")[2].split()
+                env = dict(w.split("=", 1) for w in words if "=" in w and not w.startswith("-"))
+                saved = {k: os.environ.get(k) for k in env}
+                os.environ.update(env)  # the server inherits it
+                try:
+                    proc, url = start("new:1", "", model, log, [w for w in words if w.split("=", 1)[0] not in env])
+                finally:
+                    for k, v in saved.items():
+                        if v is None:
+                            del os.environ[k]
+                        else:
+                            os.environ[k] = v
             try:
                 row = {"decode": decode(url, tokenizer, args.repeats), "prefill": prefill(url, tokenizer, args.repeats)}
                 if system == "llama":
