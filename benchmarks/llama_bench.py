@@ -170,17 +170,9 @@ def main() -> None:
                 proc, url = start_llama(args.llama_server, gguf(model, args.llama_cpp), log)
             else:
                 words = system.partition(":")[2].split()
-                env = dict(w.split("=", 1) for w in words if "=" in w and not w.startswith("-"))
-                saved = {k: os.environ.get(k) for k in env}
-                os.environ.update(env)  # the server inherits it
-                try:
-                    proc, url = start("new:1", "", model, log, [w for w in words if w.split("=", 1)[0] not in env])
-                finally:
-                    for k, v in saved.items():
-                        if v is None:
-                            del os.environ[k]
-                        else:
-                            os.environ[k] = v
+                env = [w for w in words if "=" in w and not w.startswith("-")]
+                proc, url = start("new:1", "", model, log, [w for w in words if w not in env],
+                                  dict(w.split("=", 1) for w in env))
             try:
                 row = {"decode": decode(url, tokenizer, args.repeats), "prefill": prefill(url, tokenizer, args.repeats)}
                 if system == "llama":

@@ -47,9 +47,10 @@ def baseline_tree(rev: str) -> Path:
     return tree
 
 
-def command(system: str, port: int, baseline: str, model: Path, extra: list[str]) -> tuple[list[str], dict]:
-    """The server command line and environment for "new:N", "old:N" or "hf"."""
-    env = dict(os.environ)
+def command(system: str, port: int, baseline: str, model: Path, extra: list[str],
+            env_extra: dict | None = None) -> tuple[list[str], dict]:
+    """The server command line and environment (this process's, with env_extra) for "new:N", "old:N" or "hf"."""
+    env = dict(os.environ, **(env_extra or {}))
     if system == "hf":
         env["OMP_NUM_THREADS"] = str(cpus())
         exe = HF_PYTHON.parent / "transformers"
@@ -62,9 +63,10 @@ def command(system: str, port: int, baseline: str, model: Path, extra: list[str]
             "-m", "autotp", "serve", "--model", str(model), "--port", str(port), "--max-num-seqs", "32", *extra], env
 
 
-def start(system: str, baseline: str, model: Path, log: Path, extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
+def start(system: str, baseline: str, model: Path, log: Path, extra: list[str] = (),
+          env_extra: dict | None = None) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd, env = command(system, port, baseline, model, list(extra) if system != "hf" else [])
+    cmd, env = command(system, port, baseline, model, list(extra) if system != "hf" else [], env_extra)
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"

@@ -52,11 +52,11 @@ def bf16_kernel(kernel):
     """gemv.c's bfloat16 loop, each call counted; skipped where the CPU has no AVX512_BF16 (the loop is not built)."""
     if not gemv.takes(torch.bfloat16):
         pytest.skip("gemv.c's bfloat16 loop is built only where the CPU has AVX512_BF16")
-    function, rows = gemv._kernels[torch.bfloat16]
+    function = gemv._kernels[torch.bfloat16]
     calls = []
-    gemv._kernels[torch.bfloat16] = (lambda *args: calls.append(args[4]) or function(*args), rows)
+    gemv._kernels[torch.bfloat16] = lambda *args: calls.append(args[4]) or function(*args)
     yield calls
-    gemv._kernels[torch.bfloat16] = (function, rows)
+    gemv._kernels[torch.bfloat16] = function
 
 
 @pytest.mark.parametrize("rows", [1, 2, 4, 5, gemv.ROWS_BF16])

@@ -33,10 +33,11 @@ import torch.nn.functional as F
 from autotp.parallel import native
 
 ROWS = 16  # the kernel takes products of at most this many rows of x (gemv_bench.py: 1.3x F.linear at 16, 0.8x at 32)
-ROWS_BF16 = 8  # bfloat16: 1.2x F.linear at 8 rows, 0.9x at 12 (gemv_bench.py, the Xeon with AMX)
+ROWS_BF16 = 8  # bfloat16: 1.14x F.linear at 8 rows, its margin shrinking with each row (gemv_bench.py, Xeon AMX)
+LIMITS = {torch.float32: ROWS, torch.bfloat16: ROWS_BF16}  # dtype -> the most rows of x its loop takes
 FLAGS = ("-O3", "-march=native", "-fopenmp")  # OpenMP: torch's own libgomp.so.1, already loaded, runs it
 
-_kernels: dict[torch.dtype, tuple] = {}  # dtype -> (the C function, the most rows it takes)
+_kernels: dict = {}  # dtype -> its C function, once built (bfloat16: only where the CPU has AVX512_BF16)
 _on = False  # a plain bool for the hot check (and for torch.compile's guards)
 
 
@@ -48,14 +49,12 @@ def enable() -> str | None:
             lib = ctypes.CDLL(str(native.build(Path(__file__).with_name("gemv.c"), FLAGS)))
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             return f"{type(e).__name__}: {e}"
-        for name, dtype, rows in (("autotp_gemv_f32", torch.float32, ROWS), ("autotp_gemv_bf16", torch.bfloat16,
-                                                                                ROWS_BF16)):
-            if not hasattr(lib, name):  # the bfloat16 loop is built only where the CPU has AVX512_BF16
-                continue
-            f = getattr(lib, name)
-            f.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
-            f.restype = None
-            _kernels[dtype] = (f, rows)
+        for dtype, name in ((torch.float32, "autotp_gemv_f32"), (torch.bfloat16, "autotp_gemv_bf16")):
+            if hasattr(lib, name):  # the bfloat16 loop is built only where the CPU has AVX512_BF16
+                f = getattr(lib, name)
+                f.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
+                f.restype = None
+                _kernels[dtype] = f
     _on = True
     return None
 
@@ -68,12 +67,11 @@ def takes(dtype: torch.dtype) -> bool:
 def _run(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     """x2 (m, k) contiguous, m at most the dtype's rows -> (m, n); more rows go to F.linear."""
     m, k = x2.shape
-    kernel, rows = _kernels[x2.dtype]
-    if m > rows:
+    if m > LIMITS[x2.dtype]:
         return F.linear(x2, w, b)
     n = w.shape[0]
     y = torch.empty((m, n), dtype=x2.dtype)
-    kernel(x2.data_ptr(), w.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(), m, k, n,
+    _kernels[x2.dtype](x2.data_ptr(), w.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(), m, k, n,
            torch.get_num_threads())
     return y
 

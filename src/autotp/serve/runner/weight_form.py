@@ -51,7 +51,7 @@ def kernels(net, device: torch.device) -> str | None:
     """float32 or bfloat16 weights on CPU: few-row products through gemv.c unless AUTOTP_GEMV=0; what the start-up
     line says (None where there is nothing to choose)."""
     dtype = next(net.parameters()).dtype
-    rows = {torch.float32: gemv.ROWS, torch.bfloat16: gemv.ROWS_BF16}.get(dtype)
+    rows = gemv.LIMITS.get(dtype)
     if device.type != "cpu" or rows is None:
         return None
     why = "AUTOTP_GEMV=0" if os.environ.get("AUTOTP_GEMV", "1") == "0" else gemv.enable()
