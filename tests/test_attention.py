@@ -26,7 +26,7 @@ ROWS = [(9, 1), (2, 1), (17, 1), (5, 4), (12, 4), (0, 11), (6, 9), (0, 1)]
 SHORT = 4  # 1 + a draft of 3: decode and drafted rows share one call
 
 
-def step(heads: int, kv: int, dim: int = 8, seed: int = 0, backend: str = "sdpa"):
+def step(heads: int, kv: int, dim: int = 8, seed: int = 0, backend: str = "sdpa", rows=ROWS):
     """A pool with random keys and values, the rows' block tables (shuffled blocks), their new tokens' queries
     and keys written to their slots as `PagedCache.update` does."""
     g = torch.Generator().manual_seed(seed)
@@ -35,24 +35,25 @@ def step(heads: int, kv: int, dim: int = 8, seed: int = 0, backend: str = "sdpa"
     pool.values[0][:pool.slots] = torch.randn(pool.slots, kv, dim, generator=g)
     order = torch.randperm(64, generator=g).tolist()
     tables, work = [], []
-    for row, (start, n) in enumerate(ROWS):
+    for row, (start, n) in enumerate(rows):
         blocks = -(-(start + n) // BLOCK)
         tables.append(order[:blocks])
         del order[:blocks]
         work.append(Work(row, tuple(range(n)), start, (), True, n > 1))
     meta, _ = describe(pool, tables, tuple(work), SHORT, "cpu", backend=backend)
-    tokens = sum(n for _, n in ROWS)
-    query = torch.randn(tokens, heads, dim, generator=g)
+    tokens = sum(n for _, n in rows)
+    query = torch.randn(heads, tokens, dim, generator=g).transpose(0, 1)  # as PagedCache.attend passes it
     pool.keys[0].index_copy_(0, meta.slot_mapping, torch.randn(tokens, kv, dim, generator=g))
     pool.values[0].index_copy_(0, meta.slot_mapping, torch.randn(tokens, kv, dim, generator=g))
     return pool, tables, meta, query
 
 
-def dense(pool, tables, query, scale, window=None, softcap=None, slopes=None, from_end=False) -> torch.Tensor:
+def dense(pool, tables, query, scale, window=None, softcap=None, slopes=None, from_end=False,
+          rows=ROWS) -> torch.Tensor:
     """Row by row, query by query, in float64."""
     heads, kv = query.shape[1], pool.keys[0].shape[1]
     out, t = torch.empty(query.shape, dtype=torch.float64), 0
-    for table, (start, n) in zip(tables, ROWS, strict=True):
+    for table, (start, n) in zip(tables, rows, strict=True):
         length = start + n
         slots = [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(length)]
         k, v = pool.keys[0][slots].double(), pool.values[0][slots].double()  # (length, kv, d)
@@ -96,6 +97,21 @@ def test_each_token_attends_to_its_own_rows_context_as_dense_attention_does(back
                  slopes if alibi is not None else None, variant == "alibi-from-end")
     assert len(meta.groups) == (2 if backend == "sdpa" else 0)
     torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("rows", [[(9, 1), (2, 1), (17, 1), (0, 1)], [(5, 4), (12, 4)], [(6, 9)]],
+                         ids=["decode", "drafts", "one-chunk"])
+def test_a_step_of_one_group_without_padding_attends_as_dense_attention_does(layout, rows):
+    """Rows of equal length are one group in step order (a decode step, rows verifying equal drafts, a lone prefill
+    chunk): attend reads the layer's queries as they stand and returns the group's output as the layer's."""
+    heads, kv = LAYOUTS[layout]
+    pool, tables, meta, query = step(heads, kv, rows=rows)
+    (group,) = meta.groups
+    assert group.real is None
+    got = attend(query, pool.keys[0], pool.values[0], meta, 0.5, window=3)
+    torch.testing.assert_close(got.double(), dense(pool, tables, query, 0.5, window=3, rows=rows), atol=2e-5,
+                               rtol=2e-5)
 
 
 class Calls(TorchFunctionMode):
