@@ -2,7 +2,7 @@
 StarCoder-15.5B-shaped random bf16 model.
 
     python benchmarks/gpu_decode.py [--batch 1 16] [--new-tokens 32] [--runs 5] [--systems hf autotp engine compiled]
-                                    [--attention sdpa flex]
+                                    [--attention sdpa flex varlen]
     torchrun --nproc-per-node 4 benchmarks/gpu_decode.py      # tp 4: autotp's systems only
 
 The model is built on each rank's GPU from its config with random weights (no checkpoint files, ~31 GB of
@@ -10,7 +10,8 @@ HBM; every rank draws the same ones), timed as plain HF (tp 1 only), then sharde
 `autotp.init_inference` and timed through HF's cache ("autotp"), then through the serve engine's paged
 step ("engine": serve/runner.py, the forward `autotp serve` runs, no scheduler or HTTP), then through
 its compiled step ("compiled": serve/compiled.py, CUDA graphs; its warm-up seconds printed), each under
-every attention backend asked for ("engine/flex": serve/runner/flex.py; compiled decode steps keep sdpa, so
+every attention backend asked for ("engine/flex": serve/runner/flex.py; "engine/varlen": serve/runner/varlen.py,
+in blocks of varlen.PAGE_MULTIPLE tokens, the others in blocks of 16; compiled decode steps keep sdpa, so
 "compiled" runs once, its prefill under each backend not timed). Beside
 each number is the HBM floor: this rank's weight bytes / the device-to-device copy bandwidth measured
 here, the time one decode step needs just to read every weight once. Writes
@@ -105,7 +106,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
-    parser.add_argument("--attention", nargs="+", choices=["sdpa", "flex"], default=["sdpa", "flex"],
+    parser.add_argument("--attention", nargs="+", choices=["sdpa", "flex", "varlen"],
+                        default=["sdpa", "flex", "varlen"],
                         help="the serve step's attention backends to time (engine: each; compiled: the first)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -117,7 +119,7 @@ def main() -> None:
 
     import autotp
     from autotp.serve.engine.planner import Limits
-    from autotp.serve.runner import flex
+    from autotp.serve.runner import flex, varlen
     from autotp.serve.runner.probe import probe
     from autotp.serve.server import backend
 
@@ -146,19 +148,27 @@ def main() -> None:
     if "autotp" in args.systems:
         for batch in args.batch:
             report("autotp", batch, decode_ms(model, batch, args.prompt_len, args.new_tokens, args.runs))
-    limits = Limits(max(args.batch), 8192, max(args.batch) * (args.prompt_len + args.new_tokens + 32))
-    shapes = probe(model)
+    def limits(block: int) -> Limits:  # room for every row's blocks
+        return Limits(max(args.batch), 8192, max(args.batch) * -(-(args.prompt_len + args.new_tokens + 32) // block)
+                      * block)
+
+    needs: set[str] = set()
+    shapes = probe(model, needs)
     warm = None
     if "engine" in args.systems:
         for attention in args.attention:
-            flex.choose(attention, torch.device("cuda"), 16)  # a torch without flex fails here, in one line
-            paged, _ = backend(model, shapes, limits, 16, False, rank0=False, attention=attention)
+            block = varlen.PAGE_MULTIPLE if attention == "varlen" else 16
+            # a torch without the backend, or a model it cannot run, fails here in one line
+            varlen.choose(flex.choose(attention, torch.device("cuda"), block), torch.device("cuda"), block)
+            if attention == "varlen":
+                varlen.refuse(needs, {dtype for _, _, dtype in shapes})
+            paged, _ = backend(model, shapes, limits(block), block, False, rank0=False, attention=attention)
             for batch in args.batch:
                 report(f"engine/{attention}", batch, engine_ms(paged, batch, args.prompt_len, args.new_tokens,
                                                                args.runs))
             del paged  # its KV pool
     if "compiled" in args.systems:
-        paged, _ = backend(model, shapes, limits, 16, False, rank0=False, attention=args.attention[0])
+        paged, _ = backend(model, shapes, limits(16), 16, False, rank0=False, attention="sdpa")
         warm = paged.compile()
         paged.use_graph()
         if rank == 0:

@@ -508,6 +508,8 @@ def test_a_forward_that_fails_on_one_rank_only_gets_503_within_seconds(model_dir
     (["--max-num-seqs", "32", "--max-num-batched-tokens", "16"],
      "--max-num-batched-tokens 16 is less than --max-num-seqs 32"),
     (["--tokenizer", "/nonexistent/dir"], "--tokenizer '/nonexistent/dir' is not a directory"),
+    (["--attention", "varlen"], "--attention varlen runs on CUDA only (FlashAttention-2), not on cpu: use --attention "
+                                "sdpa"),
     (["--kv-cache-memory", "300B"], "--kv-cache-memory 300 bytes holds 1 cached tokens at 256 bytes each: a "
                                     "request needs at least 2"),
     (["--kv-cache-memory", "3000B"], "--kv-cache-memory 3000 bytes holds 11 cached tokens at 256 bytes each: the "

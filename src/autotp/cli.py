@@ -36,7 +36,7 @@ def default_model() -> str:
 
 SPECULATE = 4  # serve --speculate (ServeOptions.speculate): benchmarks/spec_bench.py gains on prose too
 COMPILE = False  # serve --compile: benchmarks/compile_bench.py
-ATTENTION = ("sdpa", "flex")  # serve --attention, the first the default (serve/runner/flex.choose says why)
+ATTENTION = ("sdpa", "flex", "varlen")  # serve --attention, the first the default (serve/runner/flex.choose says why)
 
 
 def positive_int(text: str) -> int:
@@ -364,7 +364,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="attention backend: sdpa (each row's context gathered from the KV cache, at most two "
                           "scaled_dot_product_attention calls per layer; the default), flex (one flex_attention "
                           "call per layer reading the cache in place; on CPU eager, a slow reference; on CUDA "
-                          "compiled, not yet run on a GPU)")
+                          "compiled, not yet run on a GPU), varlen (CUDA only: one paged FlashAttention-2 call per "
+                          "layer, --block-size a multiple of 256, float16 or bfloat16, no ALiBi or soft-capping; "
+                          "not yet run on a GPU)")
     srv.add_argument("--max-queue", type=positive_int, default=256,
                      help="prompts waiting for room; past it requests get 429 (default 256)")
     srv.add_argument("--max-model-len", type=positive_int, help="prompt + completion tokens per request "

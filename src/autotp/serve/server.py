@@ -36,7 +36,7 @@ from autotp.serve.engine.blocks import BlockPool
 from autotp.serve.engine.loop import Engine, StopFlag, follow
 from autotp.serve.engine.planner import Limits, PagedPlanner
 from autotp.serve.lockstep.wire import Channel, Step
-from autotp.serve.runner import budget, flex, weight_form
+from autotp.serve.runner import budget, flex, varlen, weight_form
 from autotp.serve.runner.compiled import cache_dir
 from autotp.serve.runner.model_runner import PagedBatch
 from autotp.serve.runner.paged import KvPool
@@ -90,7 +90,7 @@ class ServeOptions:
     prefix_caching: bool = True
     speculate: int = 4  # prompt-lookup draft tokens per decoding row and step (cli.SPECULATE)
     compile: bool = False  # the decode step as one compiled graph (compiled.py; cli.COMPILE)
-    attention: str = "sdpa"  # the attention backend: sdpa or flex (flex.choose)
+    attention: str = "sdpa"  # the attention backend: sdpa, flex or varlen (flex.choose, varlen.choose)
 
 
 def _size(n: int) -> str:
@@ -111,7 +111,7 @@ def backend(model, shapes, limits: Limits, block_size: int = 16, caching: bool =
             speculate: int = 0, attention: str = "sdpa") -> tuple[PagedBatch, PagedPlanner | None]:
     """This rank's batch and, on rank 0, its planner. shapes: probe.probe's; the pool holds limits.kv_tokens //
     block_size blocks; speculate: the longest draft, so decode and drafted rows share one attention call;
-    attention: the backend, sdpa or flex, already chosen (flex.choose)."""
+    attention: the backend, sdpa, flex or varlen, already chosen (flex.choose, varlen.choose)."""
     blocks = limits.kv_tokens // block_size
     batch = PagedBatch(model, KvPool(shapes, blocks, block_size, model.device), short=1 + speculate,
                        attention=attention)
@@ -124,13 +124,18 @@ HOW = {("sdpa", False): "at most two kernel calls per layer and step",
        ("flex", True): "one compiled flex_attention call per layer and step over the pool in place; compiled decode "
                        "steps keep sdpa",
        ("flex", False): "one eager flex_attention call per layer and step, which materializes scores against the "
-                        "whole pool: a reference for small pools, slower than sdpa"}
+                        "whole pool: a reference for small pools, slower than sdpa",
+       ("varlen", True): "one paged FlashAttention-2 varlen_attn call per layer and step over the pool in place; "
+                         "compiled decode steps keep sdpa"}
 
 
 def _backend(net, channel: Channel, env, opts: ServeOptions, max_model_len: int | None) -> Backend:
     """Every rank measures its cache cost and free memory; the largest cost and smallest room decide. A model whose
     attention does not reach the pool is refused here (probe.py), on every rank alike."""
-    shapes = probe(net)
+    needs: set[str] = set()
+    shapes = probe(net, needs)
+    if opts.attention == "varlen":
+        varlen.refuse(needs, {dtype for _, _, dtype in shapes})
     per_token = sum(2 * heads * dim * dtype.itemsize for heads, dim, dtype in shapes)
     peak = 0
     if opts.kv_cache_memory is None:
@@ -186,7 +191,8 @@ def serve(model: str, model_id: str, opts: ServeOptions = ServeOptions()) -> int
         raise AutotpError(f"--max-num-batched-tokens {opts.max_num_batched_tokens} is less than --max-num-seqs "
                           f"{opts.max_num_seqs}: every running row decodes one token per step")
     env = distributed.init(opts.device)
-    opts = replace(opts, attention=flex.choose(opts.attention, env.device, opts.block_size))  # every rank alike
+    attention = varlen.choose(flex.choose(opts.attention, env.device, opts.block_size), env.device, opts.block_size)
+    opts = replace(opts, attention=attention)  # every rank alike
     channel = Channel()
     sock, error = None, None
     if env.rank == 0:

@@ -21,7 +21,8 @@ table the family's own forward computed (its slopes, its dtype); logit soft-capp
 explicit score path with HF's eager arithmetic, since SDPA has no soft-cap.
 
 This is the `sdpa` backend. A step described for the `flex` backend (flex.py) carries a `FlexStep` instead of
-groups, and `attend` hands it the layer: one flex_attention call over the pool in place.
+groups, and `attend` hands it the layer: one flex_attention call over the pool in place; one described for
+`varlen` (varlen.py, CUDA) a `VarlenStep`: one paged FlashAttention-2 call.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from autotp.serve.runner.flex import FlexStep
+    from autotp.serve.runner.varlen import VarlenStep
 
 
 @dataclass
@@ -106,19 +108,22 @@ class Group:
 @dataclass
 class StepMeta:
     """One step, as every layer reads it. slot_mapping (tokens,): where each new token's keys and values go;
-    positions (tokens,); groups: at most two (short rows, long rows), or none where flex (the flex backend's
-    description) says it all."""
+    positions (tokens,); groups: at most two (short rows, long rows), or none where flex or varlen (the flex or
+    varlen backend's description) says it all."""
 
     slot_mapping: torch.Tensor
     positions: torch.Tensor
     groups: list[Group]
     flex: FlexStep | None = None
+    varlen: VarlenStep | None = None
 
     @property
     def width(self) -> int:
         """The longest context in the step: for sdpa a shape, so that a compiled graph keeps it symbolic."""
         if self.flex is not None:
             return self.flex.width
+        if self.varlen is not None:
+            return self.varlen.width
         return max(g.slots.shape[1] for g in self.groups)
 
 
@@ -141,9 +146,12 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, meta: 
     the query dimension: its mask grows G-fold, (R, 1, G * Q, L), and no K/V is expanded. A longer group (prefill
     chunks) expands K/V to every query head instead, (R, heads, L, d): for Q > d that is the smaller of the two
     (StarCoder's 48 heads on a 2048-token chunk: a packed mask of 48 x 2048 x L against K/V of 48 x 128 x L).
-    A step described for flex is one flex call instead (flex.FlexStep.attend)."""
+    A step described for flex or varlen is one call of that kernel instead (flex.FlexStep.attend,
+    varlen.VarlenStep.attend)."""
     if meta.flex is not None:
         return meta.flex.attend(query, keys, values, scale, window, softcap, alibi)
+    if meta.varlen is not None:
+        return meta.varlen.attend(query, keys, values, scale, window, softcap, alibi)
     tokens, heads, dim = query.shape
     kv = keys.shape[1]
     g = heads // kv

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from autotp.serve.lockstep.wire import Step, Work
-from autotp.serve.runner import adapters, flex
+from autotp.serve.runner import adapters, flex, varlen
 from autotp.serve.runner.attention import Group, StepMeta
 from autotp.serve.runner.compiled import CompiledDecode, decode_meta
 from autotp.serve.runner.paged import KvPool, PagedCache
@@ -95,13 +95,15 @@ def group(pool: KvPool, tables: list[list[int]], starts: np.ndarray, counts: np.
 def describe(pool: KvPool, tables: list[list[int]], work: tuple[Work, ...], short: int, device,
              extra: tuple[np.ndarray, ...] = (), backend: str = "sdpa") -> tuple[StepMeta, list[torch.Tensor]]:
     """The step's description: each new token's slot, and the rows (whose block tables are `tables`, in `work`'s
-    order) in their groups: queries of at most `short` tokens, and longer ones; for the flex backend, the rows as
-    flex reads them instead (flex.FlexStep). `extra` host arrays cross to the device in the same copy, and come
-    back as tensors."""
+    order) in their groups: queries of at most `short` tokens, and longer ones; for the flex and varlen backends,
+    the rows as their kernel reads them instead (flex.FlexStep, varlen.VarlenStep). `extra` host arrays cross to
+    the device in the same copy, and come back as tensors."""
     counts = np.array([len(w.tokens) for w in work])
     starts = np.array([w.start for w in work])
     if backend == "flex":
         return _describe_flex(pool, tables, starts, counts, device, extra)
+    if backend == "varlen":
+        return _describe_varlen(pool, tables, starts, counts, device, extra)
     firsts = np.cumsum(counts) - counts
     slot_mapping = np.empty(int(counts.sum()), dtype=np.int64)
     parts = []
@@ -133,10 +135,21 @@ def _describe_flex(pool: KvPool, tables: list[list[int]], starts: np.ndarray, co
     return StepMeta(slot_t, qpos, [], step), rest
 
 
+def _describe_varlen(pool: KvPool, tables: list[list[int]], starts: np.ndarray, counts: np.ndarray, device,
+                     extra: tuple[np.ndarray, ...]) -> tuple[StepMeta, list[torch.Tensor]]:
+    """describe() for the varlen backend: the kernel's index tensors are int32, the host's int64 until they land."""
+    arrays, written, max_q, max_k = varlen.describe(pool.block_size, tables, starts, counts)
+    positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, counts, strict=True)])
+    shipped = ship([written, positions, *arrays, *extra], device)
+    cu_q, cu_k, used, table = (t.to(torch.int32) for t in shipped[2:6])
+    step = varlen.VarlenStep(cu_q, cu_k, used, table, max_q, max_k, pool.block_size, pool.slots)
+    return StepMeta(shipped[0], shipped[1], [], varlen=step), shipped[6:]
+
+
 class PagedBatch:
     """One rank's rows: their block tables (see the module docstring). short: the longest query the short
     attention group takes (1 + the draft length: decode and drafted rows share one call); attention: the backend
-    its steps are described for, sdpa or flex (flex.choose)."""
+    its steps are described for, sdpa, flex or varlen (flex.choose, varlen.choose)."""
 
     def __init__(self, model, pool: KvPool, short: int = 1, attention: str = "sdpa"):
         self.model, self.pool, self.short, self.attention = model, pool, short, attention

@@ -66,6 +66,7 @@ class PagedCache:
         self.per_step: dict = {}  # what every layer of this forward would compute alike (an adapter's bias table)
         self.shapes: dict[int, tuple[int, int, torch.dtype]] = {}
         self.attended: set[int] = set()
+        self.needs: set[str] = set()  # what the probe saw a layer ask of the attention beyond a causal mask
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         """key, value: (1, kv_heads, tokens, head_dim), the step's new tokens. Returned unchanged: the
@@ -81,9 +82,11 @@ class PagedCache:
     def attend(self, layer_idx: int, query: torch.Tensor, scale: float | None = None, window: int | None = None,
                softcap: float | None = None, alibi: Alibi | None = None) -> torch.Tensor:
         """query (1, heads, tokens, head_dim) -> (1, tokens, heads, head_dim): every token over its own row's
-        context (attention.attend); zeros in the probe."""
+        context (attention.attend); zeros in the probe, which records what the layer asked for (`needs`)."""
         if self.pool is None:
             self.attended.add(layer_idx)
+            self.needs |= {"soft-capping"} if softcap is not None else set()
+            self.needs |= {"ALiBi"} if alibi is not None else set()
             return query.new_zeros(1, query.shape[2], query.shape[1], query.shape[3])
         keys, values = self.pool.keys[layer_idx], self.pool.values[layer_idx]
         out = attend(query[0].transpose(0, 1), keys, values, self.meta, scale, window, softcap, alibi)

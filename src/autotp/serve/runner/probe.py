@@ -40,9 +40,10 @@ class Implementation:
 MASKS = {"full_attention", "sliding_attention"}  # causal, and causal within a window: what attention.py masks
 
 
-def probe(model) -> list[tuple[int, int, torch.dtype]]:
+def probe(model, needs: set[str] | None = None) -> list[tuple[int, int, torch.dtype]]:
     """This rank's (kv_heads, head_dim, dtype) of every layer; raises where the model's attention does not reach
-    the pool. Every rank calls it together: it is a forward."""
+    the pool. Every rank calls it together: it is a forward. `needs`, where given, gets what some layer's attention
+    asks beyond a causal mask and a window ("ALiBi", "soft-capping"): what a backend may not do (varlen.refuse)."""
     config = model.config
     kinds = set(getattr(config, "layer_types", None) or ()) - MASKS
     if kinds:  # chunked (Llama 4), linear or bidirectional layers: masks the paged attention does not make
@@ -60,6 +61,8 @@ def probe(model) -> list[tuple[int, int, torch.dtype]]:
         raise AutotpError(f"autotp serve cannot run {config.model_type}: {e}") from e
     finally:
         implementation.restore()
+    if needs is not None:
+        needs |= cache.needs
     layers = sorted(set(cache.shapes) | cache.attended)
     if not cache.shapes or cache.attended != set(cache.shapes) or layers != list(range(len(layers))):
         missed = sorted(set(cache.shapes) ^ cache.attended)

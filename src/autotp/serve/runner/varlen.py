@@ -1,0 +1,117 @@
+"""The `varlen` attention backend (CUDA, opt-in): one `varlen_attn` call per layer and step, reading the pool in place.
+
+`torch.nn.attention.varlen.varlen_attn` is FlashAttention-2's variable-length kernel; given a block table it reads
+a paged KV cache itself (torch 2.13). So nothing is gathered and nothing is padded: one layer's pool without its
+zero and scratch slots is (num_blocks, block_size, kv, d) pages, a view of KvPool's (slots + 2, kv, d) tensor; the
+step's tokens, every row's in step order, are the queries (tokens, heads, d), row r's from cu_seq_q[r] to
+cu_seq_q[r + 1]; row r's keys are the first seqused_k[r] slots of its pages in block-table order. Grouped-query
+heads go in as they are (`enable_gqa`), never expanded.
+
+Causality is the kernel's (window (-1, 0)), which aligns a row's queries with the end of its keys: a row's new
+tokens are the last of its context, so token i of a row computing n tokens of a context of L sees keys up to
+L - n + i, its position. A sliding window of W is (W - 1, 0): HF's rule, key positions > position - W.
+
+What it cannot do is refused at start-up, never at a request: a device other than CUDA, weights other than
+float16 or bfloat16 (the kernel's), a family whose attention adds a bias or caps scores (ALiBi, Gemma 2's
+soft-capping: the probe sees them, probe.probe's `needs`), and a --block-size FlashAttention-2 does not page by
+(PAGE_MULTIPLE). This path has not run on a GPU yet (benchmarks/gpu_decode.py --attention varlen is the check);
+the tests hold its step description against dense attention through an emulation of the kernel's contract.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from autotp.errors import AutotpError
+
+try:
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # torch before 2.9: the backend is refused by `choose`
+    varlen_attn = None
+
+# FlashAttention-2 pages a KV cache only in blocks of a multiple of 256 tokens (its paged-KV check; FA3 and vLLM's
+# fork relax it). Taken from FA2's source, not yet seen on a GPU here.
+PAGE_MULTIPLE = 256
+DTYPES = (torch.float16, torch.bfloat16)
+
+
+def choose(requested: str, device: torch.device, block_size: int) -> str:
+    """`requested`, or a one-line error where varlen cannot serve (see the module docstring); other backends
+    pass through."""
+    if requested != "varlen":
+        return requested
+    if varlen_attn is None:
+        raise AutotpError(f"--attention varlen needs torch.nn.attention.varlen, which torch {torch.__version__} "
+                          f"lacks (2.9 or later): use --attention sdpa")
+    if device.type != "cuda":
+        raise AutotpError(f"--attention varlen runs on CUDA only (FlashAttention-2), not on {device.type}: use "
+                          f"--attention sdpa")
+    if block_size % PAGE_MULTIPLE:
+        raise AutotpError(f"--attention varlen needs --block-size a multiple of {PAGE_MULTIPLE} (FlashAttention-2's "
+                          f"pages), not {block_size}")
+    return requested
+
+
+def refuse(needs: set[str], dtypes: set[torch.dtype]) -> None:
+    """Raises where the model the probe saw needs what the kernel does not do: `needs` (probe.probe's), the dtypes
+    of its keys and values."""
+    if needs:
+        raise AutotpError(f"--attention varlen has no {' or '.join(sorted(needs))}, which this model's attention "
+                          f"uses: use --attention sdpa")
+    other = sorted(str(d).removeprefix("torch.") for d in dtypes - set(DTYPES))
+    if other:
+        raise AutotpError(f"--attention varlen needs float16 or bfloat16 weights, not {', '.join(other)}: add "
+                          f"--dtype bfloat16, or use --attention sdpa")
+
+
+@dataclass
+class VarlenStep:
+    """One step as varlen_attn reads it (module docstring). cu_seq_q, cu_seq_k (rows + 1,), seqused_k (rows,),
+    block_table (rows, pages), all int32 on the device; max_q, max_k: host ints, the longest query and context
+    (never read back from the device); width: max_k, what ALiBi tables would be sized by."""
+
+    cu_seq_q: torch.Tensor
+    cu_seq_k: torch.Tensor
+    seqused_k: torch.Tensor
+    block_table: torch.Tensor
+    max_q: int
+    max_k: int
+    block_size: int
+    slots: int
+
+    @property
+    def width(self) -> int:
+        return self.max_k
+
+    def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float | None,
+               window: int | None, softcap: float | None, alibi) -> torch.Tensor:
+        """query (tokens, heads, d); keys and values: one layer's pool, (slots + 2, kv, d). -> (tokens, heads, d)."""
+        if softcap is not None or alibi is not None:  # refused at start-up (refuse); a model that hid it fails here
+            raise AutotpError("--attention varlen has no soft-capping or ALiBi")
+        kv, dim = keys.shape[1:]
+        k = keys[:self.slots].view(-1, self.block_size, kv, dim)  # (num_blocks, block_size, kv, d): the pool
+        v = values[:self.slots].view(-1, self.block_size, kv, dim)
+        return varlen_attn(query, k, v, self.cu_seq_q, self.cu_seq_k, self.max_q, self.max_k, scale=scale,
+                           window_size=(-1, 0) if window is None else (window - 1, 0),
+                           enable_gqa=query.shape[1] != kv, seqused_k=self.seqused_k, block_table=self.block_table)
+
+
+def describe(size: int, tables: list[list[int]], starts: np.ndarray,
+             counts: np.ndarray) -> tuple[list[np.ndarray], np.ndarray, int, int]:
+    """The host arrays of a VarlenStep for rows with block `tables` computing counts[r] tokens from starts[r]:
+    [cu_seq_q, cu_seq_k, seqused_k, block_table], each new token's slot (step order), the longest query and the
+    longest context."""
+    ends = starts + counts
+    need = -(-ends // size)  # pages each row reads
+    table = np.zeros((len(tables), int(need.max())), dtype=np.int64)  # past a row's pages: never read
+    for r, t in enumerate(tables):
+        table[r, :need[r]] = t[:need[r]]
+    rows = np.repeat(np.arange(len(tables)), counts)
+    qpos = np.concatenate([np.arange(s, e) for s, e in zip(starts, ends, strict=True)])
+    written = table[rows, qpos // size] * size + qpos % size
+    cu_q = np.concatenate([[0], np.cumsum(counts)])
+    cu_k = np.concatenate([[0], np.cumsum(ends)])
+    return [cu_q, cu_k, ends, table], written, int(counts.max()), int(ends.max())
