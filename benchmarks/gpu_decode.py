@@ -161,7 +161,7 @@ def main() -> None:
             # a torch without the backend, or a model it cannot run, fails here in one line
             varlen.choose(flex.choose(attention, torch.device("cuda"), block), torch.device("cuda"), block)
             if attention == "varlen":
-                varlen.refuse(needs, {dtype for _, _, dtype in shapes})
+                varlen.refuse(needs, shapes)
             paged, _ = backend(model, shapes, limits(block), block, False, rank0=False, attention=attention)
             for batch in args.batch:
                 report(f"engine/{attention}", batch, engine_ms(paged, batch, args.prompt_len, args.new_tokens,

@@ -22,9 +22,11 @@ from autotp.serve.runner.attention import Alibi, attend
 from autotp.serve.runner.probe import probe
 
 
-def emulated_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
-                         enable_gqa=False, seqused_k=None, block_table=None, **unused):
-    """varlen_attn with a block table, row by row and query by query in float64 (see the module docstring)."""
+def emulated_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                         window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+    """varlen_attn with a block table, row by row and query by query in float64 (see the module docstring). Its
+    keywords are torch 2.13's; it insists on one split (varlen.py says why)."""
+    assert num_splits == 1
     for t in (cu_seq_q, cu_seq_k, seqused_k, block_table):
         assert t.dtype == torch.int32, t.dtype  # the kernel's index dtype
     pages, page, kv, dim = key.shape
@@ -89,7 +91,28 @@ def test_a_device_or_block_size_the_kernel_cannot_page_is_refused_naming_both(de
         varlen.choose("varlen", torch.device(device), block)
     assert str(e.value) == error
     assert varlen.choose("sdpa", torch.device(device), block) == "sdpa"
-    assert varlen.choose("varlen", torch.device("cuda"), 512) == "varlen"
+
+
+def test_an_ampere_gpu_is_taken_and_an_older_one_refused():
+    from cuda_emulation import emulated_cuda
+
+    with emulated_cuda():
+        assert varlen.choose("varlen", torch.device("cuda"), 512) == "varlen"
+    with emulated_cuda(capability=(7, 5)), pytest.raises(AutotpError) as e:
+        varlen.choose("varlen", torch.device("cuda"), 256)
+    assert str(e.value) == ("--attention varlen needs a GPU of compute capability 8.0 or newer (FlashAttention-2), "
+                            "not 7.5: use --attention sdpa")
+
+
+def test_rocm_and_a_torch_without_a_paged_varlen_are_refused(monkeypatch):
+    monkeypatch.setattr(torch.version, "hip", "6.4")
+    with pytest.raises(AutotpError, match="runs on CUDA only .FlashAttention-2., not on ROCm"):
+        varlen.choose("varlen", torch.device("cuda"), 256)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(varlen, "varlen_attn", lambda query, key, value, cu_seq_q, cu_seq_k, max_q, max_k: None)
+    with pytest.raises(AutotpError, match="varlen_attn with a paged KV cache .block_table, num_splits, seqused_k, "
+                                          "window_size., which torch"):
+        varlen.choose("varlen", torch.device("cuda"), 256)
 
 
 @pytest.mark.parametrize("name,needs", [("llama", set()), ("gemma2", {"soft-capping"}), ("falcon_alibi", {"ALiBi"}),
@@ -100,14 +123,21 @@ def test_the_probe_names_what_a_familys_attention_needs_and_varlen_refuses_it(na
     seen: set[str] = set()
     shapes = probe(build(name), seen)
     assert seen == needs
-    dtypes = {dtype for _, _, dtype in shapes}
+    half = [(kv, 64, torch.bfloat16) for kv, _, _ in shapes]
     if needs:
         with pytest.raises(AutotpError, match=f"--attention varlen has no {' or '.join(sorted(needs))}"):
-            varlen.refuse(seen, {torch.bfloat16})
+            varlen.refuse(seen, half)
     else:
-        varlen.refuse(seen, {torch.bfloat16})
+        varlen.refuse(seen, half)
     with pytest.raises(AutotpError, match="needs float16 or bfloat16 weights, not float32: add --dtype bfloat16"):
-        varlen.refuse(set(), dtypes)  # the families are built in float32
+        varlen.refuse(set(), shapes)  # the families are built in float32
+
+
+def test_heads_the_kernel_cannot_take_are_refused_naming_them():
+    with pytest.raises(AutotpError) as e:
+        varlen.refuse(set(), [(2, 12, torch.bfloat16), (2, 320, torch.bfloat16), (2, 128, torch.bfloat16)])
+    assert str(e.value) == ("--attention varlen needs heads of a multiple of 8 up to 256 (FlashAttention-2), not "
+                            "12, 320: use --attention sdpa")
 
 
 

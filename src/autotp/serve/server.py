@@ -135,7 +135,7 @@ def _backend(net, channel: Channel, env, opts: ServeOptions, max_model_len: int 
     needs: set[str] = set()
     shapes = probe(net, needs)
     if opts.attention == "varlen":
-        varlen.refuse(needs, {dtype for _, _, dtype in shapes})
+        varlen.refuse(needs, shapes)
     per_token = sum(2 * heads * dim * dtype.itemsize for heads, dim, dtype in shapes)
     peak = 0
     if opts.kv_cache_memory is None:

@@ -11,15 +11,24 @@ Causality is the kernel's (window (-1, 0)), which aligns a row's queries with th
 tokens are the last of its context, so token i of a row computing n tokens of a context of L sees keys up to
 L - n + i, its position. A sliding window of W is (W - 1, 0): HF's rule, key positions > position - W.
 
-What it cannot do is refused at start-up, never at a request: a device other than CUDA, weights other than
-float16 or bfloat16 (the kernel's), a family whose attention adds a bias or caps scores (ALiBi, Gemma 2's
-soft-capping: the probe sees them, probe.probe's `needs`), and a --block-size FlashAttention-2 does not page by
-(PAGE_MULTIPLE). This path has not run on a GPU yet (benchmarks/gpu_decode.py --attention varlen is the check);
-the tests hold its step description against dense attention through an emulation of the kernel's contract.
+What it cannot do is refused at start-up, never at a request: a torch whose varlen_attn takes no block table, a
+device other than CUDA (ROCm included: its varlen path takes no `num_splits`), a GPU older than Ampere, weights
+other than float16 or bfloat16 and heads that are not a multiple of 8 up to 256 (the kernel's), a family whose
+attention adds a bias or caps scores (ALiBi, Gemma 2's soft-capping: the probe sees them, probe.probe's `needs`),
+and a --block-size FlashAttention-2 does not page by (PAGE_MULTIPLE).
+
+`num_splits=1`: with a block table, torch's FlashAttention-2 otherwise picks a split-KV count by heuristic, and
+its merge of the splits writes every row of a variable-length batch to the first one's place (pytorch issue
+194167, FlashAttention issue 1217: silently wrong for two rows or more). One split is also batch invariant.
+
+This path has not run on a GPU yet (benchmarks/gpu_decode.py --attention varlen is the check); the tests hold its
+step description against dense attention through an emulation of the kernel's contract, and FlashAttention-2's
+rules above were read from its source (flash_api.cpp, mask.h), not seen.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,10 +41,10 @@ try:
 except ImportError:  # torch before 2.9: the backend is refused by `choose`
     varlen_attn = None
 
-# FlashAttention-2 pages a KV cache only in blocks of a multiple of 256 tokens (its paged-KV check; FA3 and vLLM's
-# fork relax it). Taken from FA2's source, not yet seen on a GPU here.
+# FlashAttention-2 pages a KV cache only in blocks of a multiple of 256 tokens ("Paged KV cache block size must be
+# divisible by 256", flash_api.cpp; FA3 and vLLM's fork relax it)
 PAGE_MULTIPLE = 256
-DTYPES = (torch.float16, torch.bfloat16)
+PAGED = {"block_table", "seqused_k", "window_size", "num_splits"}  # the keywords this backend passes
 
 
 def choose(requested: str, device: torch.device, block_size: int) -> str:
@@ -43,28 +52,36 @@ def choose(requested: str, device: torch.device, block_size: int) -> str:
     pass through."""
     if requested != "varlen":
         return requested
-    if varlen_attn is None:
-        raise AutotpError(f"--attention varlen needs torch.nn.attention.varlen, which torch {torch.__version__} "
-                          f"lacks (2.9 or later): use --attention sdpa")
-    if device.type != "cuda":
-        raise AutotpError(f"--attention varlen runs on CUDA only (FlashAttention-2), not on {device.type}: use "
-                          f"--attention sdpa")
+    if varlen_attn is None or not PAGED <= set(inspect.signature(varlen_attn).parameters):
+        raise AutotpError(f"--attention varlen needs torch.nn.attention.varlen.varlen_attn with a paged KV cache "
+                          f"({', '.join(sorted(PAGED))}), which torch {torch.__version__} lacks: use --attention sdpa")
+    if device.type != "cuda" or torch.version.hip:
+        raise AutotpError(f"--attention varlen runs on CUDA only (FlashAttention-2), not on "
+                          f"{'ROCm' if torch.version.hip else device.type}: use --attention sdpa")
     if block_size % PAGE_MULTIPLE:
         raise AutotpError(f"--attention varlen needs --block-size a multiple of {PAGE_MULTIPLE} (FlashAttention-2's "
                           f"pages), not {block_size}")
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 0):
+        raise AutotpError(f"--attention varlen needs a GPU of compute capability 8.0 or newer (FlashAttention-2), "
+                          f"not {capability[0]}.{capability[1]}: use --attention sdpa")
     return requested
 
 
-def refuse(needs: set[str], dtypes: set[torch.dtype]) -> None:
-    """Raises where the model the probe saw needs what the kernel does not do: `needs` (probe.probe's), the dtypes
-    of its keys and values."""
+def refuse(needs: set[str], shapes: list[tuple[int, int, torch.dtype]]) -> None:
+    """Raises where the model the probe saw needs what the kernel does not do: `needs` and `shapes` (each layer's
+    kv_heads, head_dim, dtype) are probe.probe's."""
     if needs:
         raise AutotpError(f"--attention varlen has no {' or '.join(sorted(needs))}, which this model's attention "
                           f"uses: use --attention sdpa")
-    other = sorted(str(d).removeprefix("torch.") for d in dtypes - set(DTYPES))
+    other = sorted({str(dtype).removeprefix("torch.") for _, _, dtype in shapes} - {"float16", "bfloat16"})
     if other:
         raise AutotpError(f"--attention varlen needs float16 or bfloat16 weights, not {', '.join(other)}: add "
                           f"--dtype bfloat16, or use --attention sdpa")
+    dims = sorted({dim for _, dim, _ in shapes if dim % 8 or dim > 256})
+    if dims:
+        raise AutotpError(f"--attention varlen needs heads of a multiple of 8 up to 256 (FlashAttention-2), not "
+                          f"{', '.join(map(str, dims))}: use --attention sdpa")
 
 
 @dataclass
@@ -96,7 +113,8 @@ class VarlenStep:
         v = values[:self.slots].view(-1, self.block_size, kv, dim)
         return varlen_attn(query, k, v, self.cu_seq_q, self.cu_seq_k, self.max_q, self.max_k, scale=scale,
                            window_size=(-1, 0) if window is None else (window - 1, 0),
-                           enable_gqa=query.shape[1] != kv, seqused_k=self.seqused_k, block_table=self.block_table)
+                           enable_gqa=query.shape[1] != kv, seqused_k=self.seqused_k, block_table=self.block_table,
+                           num_splits=1)  # see the module docstring
 
 
 def describe(size: int, tables: list[list[int]], starts: np.ndarray,
