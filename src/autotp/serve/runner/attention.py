@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -55,6 +56,21 @@ class Alibi:
         precision in bfloat16."""
         span = self.table.shape[1]
         return (span - 1 - query + key if self.from_end else key).clamp(0, span - 1)
+
+
+def pages(size: int, tables: list[list[int]], starts: np.ndarray, counts: np.ndarray,
+          pad: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Rows with block `tables` computing counts[r] tokens from starts[r], as the backends that read the pool in
+    place see them (flex.py, varlen.py), on the host: table (R, W), the blocks each row reads, `pad` past a row's;
+    each new token's row, position and slot, in step order."""
+    ends = starts + counts
+    need = -(-ends // size)  # blocks each row reads
+    table = np.full((len(tables), int(need.max())), pad, dtype=np.int64)
+    for r, t in enumerate(tables):
+        table[r, :need[r]] = t[:need[r]]
+    rows = np.repeat(np.arange(len(tables)), counts)
+    qpos = np.concatenate([np.arange(s, e) for s, e in zip(starts, ends, strict=True)])
+    return table, rows, qpos, table[rows, qpos // size] * size + qpos % size
 
 
 @dataclass

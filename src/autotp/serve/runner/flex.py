@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from autotp.errors import AutotpError
-from autotp.serve.runner.attention import Alibi
+from autotp.serve.runner.attention import Alibi, pages
 
 try:
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -173,13 +173,6 @@ def describe(size: int, num_blocks: int, tables: list[list[int]], starts: np.nda
              counts: np.ndarray) -> tuple[list[np.ndarray], np.ndarray, int]:
     """The host arrays of a FlexStep for rows with block `tables` computing counts[r] tokens from starts[r]:
     [rows, qpos, table, logical, kv_num_blocks, kv_indices], each new token's slot, and the longest context."""
-    ends = starts + counts
-    rows = np.repeat(np.arange(len(tables)), counts)
-    qpos = np.concatenate([np.arange(s, e) for s, e in zip(starts, ends, strict=True)])
-    need = -(-ends // size)  # blocks each row reads
-    table = np.full((len(tables), int(need.max())), -1, dtype=np.int64)
-    for r, t in enumerate(tables):
-        table[r, :need[r]] = t[:need[r]]
-    written = table[rows, qpos // size] * size + qpos % size
+    table, rows, qpos, written = pages(size, tables, starts, counts, -1)
     return [rows, qpos, table, logical_index(table, num_blocks), *kv_blocks(rows, qpos, table, size)], written, \
-        int(ends.max())
+        int((starts + counts).max())

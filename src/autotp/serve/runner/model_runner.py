@@ -138,8 +138,7 @@ def _describe_flex(pool: KvPool, tables: list[list[int]], starts: np.ndarray, co
 def _describe_varlen(pool: KvPool, tables: list[list[int]], starts: np.ndarray, counts: np.ndarray, device,
                      extra: tuple[np.ndarray, ...]) -> tuple[StepMeta, list[torch.Tensor]]:
     """describe() for the varlen backend: the kernel's index tensors are int32, the host's int64 until they land."""
-    arrays, written, max_q, max_k = varlen.describe(pool.block_size, tables, starts, counts)
-    positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, counts, strict=True)])
+    arrays, written, positions, max_q, max_k = varlen.describe(pool.block_size, tables, starts, counts)
     shipped = ship([written, positions, *arrays, *extra], device)
     cu_q, cu_k, used, table = (t.to(torch.int32) for t in shipped[2:6])
     step = varlen.VarlenStep(cu_q, cu_k, used, table, max_q, max_k, pool.block_size, pool.slots)

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from autotp.errors import AutotpError
+from autotp.serve.runner.attention import pages
 
 try:
     from torch.nn.attention.varlen import varlen_attn
@@ -118,18 +119,12 @@ class VarlenStep:
 
 
 def describe(size: int, tables: list[list[int]], starts: np.ndarray,
-             counts: np.ndarray) -> tuple[list[np.ndarray], np.ndarray, int, int]:
+             counts: np.ndarray) -> tuple[list[np.ndarray], np.ndarray, np.ndarray, int, int]:
     """The host arrays of a VarlenStep for rows with block `tables` computing counts[r] tokens from starts[r]:
-    [cu_seq_q, cu_seq_k, seqused_k, block_table], each new token's slot (step order), the longest query and the
-    longest context."""
+    [cu_seq_q, cu_seq_k, seqused_k, block_table]; each new token's slot and position (step order); the longest
+    query and the longest context."""
     ends = starts + counts
-    need = -(-ends // size)  # pages each row reads
-    table = np.zeros((len(tables), int(need.max())), dtype=np.int64)  # past a row's pages: never read
-    for r, t in enumerate(tables):
-        table[r, :need[r]] = t[:need[r]]
-    rows = np.repeat(np.arange(len(tables)), counts)
-    qpos = np.concatenate([np.arange(s, e) for s, e in zip(starts, ends, strict=True)])
-    written = table[rows, qpos // size] * size + qpos % size
+    table, _, qpos, written = pages(size, tables, starts, counts, 0)  # past a row's pages: never read
     cu_q = np.concatenate([[0], np.cumsum(counts)])
     cu_k = np.concatenate([[0], np.cumsum(ends)])
-    return [cu_q, cu_k, ends, table], written, int(counts.max()), int(ends.max())
+    return [cu_q, cu_k, ends, table], written, qpos, int(counts.max()), int(ends.max())
