@@ -221,8 +221,8 @@ def serve(model: str, model_id: str, opts: ServeOptions = ServeOptions()) -> int
         # ranks finish loading at different times: wait here under the process group's long timeout
         # (AUTOTP_TIMEOUT), not in the control group's first broadcast, whose timeout is short
         dist.barrier(group=env.group)
-    said = weight_form.kernels(net, env.device)
     parts = _backend(net, channel, env, opts, max_model_len)
+    said = weight_form.kernels(net, env.device)  # after the budget's refusals: a refused start-up changes nothing
     if env.rank == 0:  # after the budget's checks: a refused start-up says its error alone
         log(f"weights: {held}" + (f"; {said}" if said else ""))
     if opts.compile:
