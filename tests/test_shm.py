@@ -143,16 +143,17 @@ def _launch(world: int, mode: str, env: dict | None = None) -> list[subprocess.C
                 q.kill()
             pytest.fail(f"a rank hung: {mode}")
         out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout))
+        out[-1].pid = p.pid  # a segment's name starts with its creator's pid
     return out
 
 
-def _segments() -> set[str]:
-    return {n for n in os.listdir(shm.DIRECTORY) if n.startswith("autotp-")}
+def _segments(ranks: list[subprocess.CompletedProcess]) -> set[str]:
+    """The segments these ranks made that are still in /dev/shm (not another test's, running beside this one)."""
+    return {n for n in os.listdir(shm.DIRECTORY) for r in ranks if n.startswith(f"autotp-{r.pid}-")}
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_rank_killed_mid_run_fails_the_others_within_seconds_and_leaves_no_segment(world):
-    before = _segments()
     ranks = _launch(world, "die")
     assert ranks[1].returncode == -9
     for r in [0] + list(range(2, world)):
@@ -161,7 +162,7 @@ def test_a_rank_killed_mid_run_fails_the_others_within_seconds_and_leaves_no_seg
         line = next(x for x in ranks[r].stdout.splitlines() if "failed after" in x)
         assert "rank 1 (pid" in line and "exited during a shared-memory collective" in line, line
         assert float(line.split("failed after ")[1].split(" s")[0]) < 30, line  # the group's timeout is 300 s
-    assert _segments() <= before
+    assert not _segments(ranks)
 
 
 def test_separate_processes_sum_right_at_every_all_reduce_in_two_groups():
