@@ -1,7 +1,28 @@
+import os
+from collections import Counter
+
 import families
 import pytest
+import torch
 from checkpoints import CONFIGS, build, reference, save
 from pool import RankPool
+
+
+def pytest_configure(config):
+    """In each of pytest-xdist's workers (pyproject's addopts: two): one thread, for the worker's own torch and for
+    every rank or server its tests start, so that two workers on two cores do not each run two OpenMP threads."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files with the most `slow` tests first, each file's tests in their own order: the workers take whole files
+    (--dist loadfile) in this order, so the long ones start at once and the many short ones fill the end, instead
+    of a long file starting last beside an idle worker."""
+    slow = Counter(item.path for item in items if item.get_closest_marker("slow"))
+    order = {item: i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (-slow[item.path], order[item]))
 
 
 @pytest.fixture(scope="session")
@@ -54,3 +75,16 @@ def family_checkpoint(tmp_path_factory):
         return made[name]
 
     return get
+
+
+@pytest.fixture(autouse=True)
+def library_linear():
+    """Every test leaves F.linear in place, as a library user has it: gemv.c is process-wide once `autotp serve`'s
+    start-up (or a test) enables it, and the tests that compare with HF bit for bit would then pass or fail by
+    the order the tests ran in."""
+    from autotp.parallel import gemv
+
+    yield
+    if gemv._on:
+        gemv._on = False
+        pytest.fail("this test left gemv.c on (gemv._on): later tests would not run F.linear")
