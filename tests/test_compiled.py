@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 from checkpoints import word_tokenizer
-from engine_driver import ROOMY, drive, engine_for, job, run_on_ranks
+from engine_driver import ROOMY, drive, engine_for, job
 from pool import free_port
 from serve_harness import Server
 from test_continuous import build, tokens_of
@@ -99,80 +99,32 @@ def test_the_compiled_step_gets_the_eager_tokens_and_runs_every_decode_step(name
     assert tokens_of(ended[True][0]) == generate(model, torch.tensor([prompt]), max_new_tokens=30)[0, 5:].tolist()
 
 
-def _compiled_rows(model_dir: str, tokenizer_dir: str, prompt: list[int]) -> list | None:
-    """A pool task: this rank's shard, compiled, serving a greedy and a seeded row; rank 0's end events."""
-    from transformers import AutoTokenizer
-
-    import autotp
-
-    model = autotp.from_pretrained(model_dir, check_inputs=False)
-    ended = run_on_ranks(model, AutoTokenizer.from_pretrained(tokenizer_dir), lambda: {
-        0: [job(prompt, 24, index=0)], 3: [job(prompt[:4], 16, 0.8, seed=9, index=1)]}, compile=True)
-    return None if ended is None else [e for e, _ in ended]
-
-
-def test_sharded_compiled_rows_get_the_unsharded_tokens(pools, tokenizer, tokenizer_dir, tmp_path):
-    """tp 2, StarCoder's layout: the graph's all-reduces are autotp's shared-memory ops, and the tokens are
-    the unsharded model's."""
-    model = build("gpt_bigcode_mqa12")
-    model.save_pretrained(tmp_path)
-    prompt = [3, 17, 42, 8, 99, 51, 23]
-    greedy, seeded = pools(2).run(_compiled_rows, str(tmp_path), tokenizer_dir, prompt)[0]
-    assert tokens_of(greedy) == generate(model, torch.tensor([prompt]), max_new_tokens=24)[0, 7:].tolist()
-    alone = job(prompt[:4], 16, 0.8, seed=9)
-    drive(engine_for(model, tokenizer), {0: [alone]})
-    assert tokens_of(seeded) == tokens_of(alone.emit.ended)
-
-
-def test_a_machine_without_a_compiler_is_served_eager_after_one_warning(demo_tmp_compiler_free):
-    """`autotp serve --compile` where inductor's C++ compiler is missing: one warning line naming the
-    failure, and the answers are eager's: the unsharded model's greedy text (float32 as stored; tp 2 reorders
-    sums only), whole and streamed."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    server, log = demo_tmp_compiler_free
-    text = server.text()
-    warnings = [line for line in text.splitlines() if "did not compile" in line]
-    assert len(warnings) == 1, text
-    prompt = "def f(x):"
-    answer = server.client.completions.create(model=server.model_id, prompt=prompt, max_tokens=24, temperature=0)
-    model, tok = AutoModelForCausalLM.from_pretrained(DEMO).eval(), AutoTokenizer.from_pretrained(DEMO)
-    ids = tok(prompt).input_ids
-    want = generate(model, torch.tensor([ids]), max_new_tokens=24)[0, len(ids):].tolist()
-    assert answer.choices[0].text == tok.decode(want, skip_special_tokens=True) and answer.usage.completion_tokens == 24
-    stream = server.client.completions.create(model=server.model_id, prompt=prompt, max_tokens=24, temperature=0,
-                                              stream=True)
-    assert "".join(c.choices[0].text for c in stream if c.choices) == answer.choices[0].text
-
-
-@pytest.fixture
-def demo_tmp_compiler_free(tmp_path):
-    server = Server(DEMO, tmp_path / "server.log", "--compile",
-                    env={"CXX": "/nonexistent/c++", "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
-                         "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")})
-    try:
-        yield server, tmp_path / "server.log"
-    finally:
-        server.kill()
-
-
 def test_a_client_of_a_compiled_server_gets_the_unsharded_text(tmp_path):
-    """`autotp serve --compile` at tp 2 on the demo model through the openai client: rank 0 reports the
-    warm-up, and greedy text, streamed or not, is the unsharded model's."""
+    """`autotp serve --compile` at tp 2 on the demo model (StarCoder's multi-query layout) through the openai
+    client: rank 0 reports the warm-up; greedy text, whole or streamed, is the unsharded model's; and two
+    seeded prompts in one request (decode steps of 2 rows through the sharded graph, whose all-reduces are
+    autotp's shared-memory ops) get the unsharded eager engine's texts for their seed."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model, tok = AutoModelForCausalLM.from_pretrained(DEMO, dtype=torch.float32), AutoTokenizer.from_pretrained(DEMO)
+    prompt = "def print_hello_world():"
+    ids = tok(prompt).input_ids
+    seeded = [tok(p).input_ids for p in ("class Point:", "import os\n\ndef list_files(path):")]
+    alone = [job(p, 16, 0.8, seed=9, top_p=0.9, index=i) for i, p in enumerate(seeded)]
+    drive(engine_for(model.eval(), tok), {0: alone})
     server = Server(DEMO, tmp_path / "server.log", "--compile", "--dtype", "float32", "--speculate", "0")
     try:
         assert "compiled the decode step in" in server.text()
-        prompt = "def print_hello_world():"
         answer = server.client.completions.create(model=server.model_id, prompt=prompt, max_tokens=40, temperature=0)
-        ids = tok(prompt).input_ids
         want = generate(model, torch.tensor([ids]), max_new_tokens=40)[0, len(ids):].tolist()
         assert answer.choices[0].text == tok.decode(want, skip_special_tokens=True)
         stream = server.client.completions.create(model=server.model_id, prompt=prompt, max_tokens=40, temperature=0,
                                                   stream=True)
         assert "".join(c.choices[0].text for c in stream if c.choices) == answer.choices[0].text
+        both = server.client.completions.create(model=server.model_id, prompt=seeded, max_tokens=16, temperature=0.8,
+                                                top_p=0.9, seed=9)  # one seed per prompt: 9 for both
+        assert [c.text for c in sorted(both.choices, key=lambda c: c.index)] == [
+            tok.decode(tokens_of(j.emit.ended), skip_special_tokens=True) for j in alone]
     finally:
         server.kill()
 
