@@ -465,17 +465,41 @@ def test_a_rank_killed_while_serving_is_named_in_one_line(model_dir, tmp_path, s
         s.kill()
 
 
-@pytest.mark.timeout(120)
-def test_without_a_compiler_serve_warns_once(model_dir, tmp_path):
-    """No `cc` (or a read-only ~/.cache): both of serve's process groups (the model's, the step channel's) fall
-    back to gloo, and the README promises one warning line."""
-    s = Server(model_dir, tmp_path / "server.log", env={"CC": "/bin/false", "XDG_CACHE_HOME": str(tmp_path)})
+@pytest.mark.timeout(180)
+def test_a_machine_without_a_compiler_serves_eager_after_one_warning_each(tmp_path):
+    """`autotp serve --compile` at tp 2 where neither `cc` nor inductor's C++ compiler runs (and ~/.cache holds no
+    barrier built earlier): one line says the decode step did not compile and why, one line that the
+    shared-memory collectives are off (both process groups, the model's and the step channel's, fall back to
+    gloo; the README promises one line), and the answers are eager's: the unsharded demo model's greedy text
+    (float32; tp 2 reorders sums only), whole and streamed."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from autotp.cli import default_model
+    from autotp.generate import generate
+
+    s = Server(None, tmp_path / "server.log", "--compile",
+               env={"CC": "/bin/false", "XDG_CACHE_HOME": str(tmp_path), "CXX": "/nonexistent/c++",
+                    "TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")})
     try:
-        assert s.client.completions.create(model=s.model_id, prompt="x", max_tokens=2).usage.completion_tokens == 2
-        warnings = [line for line in s.text().splitlines() if "shared-memory collectives are off" in line]
-        assert len(warnings) == 1 and "C compiler failed" in warnings[0], warnings
+        prompt = "def f(x):"
+        answer = s.client.completions.create(model=s.model_id, prompt=prompt, max_tokens=24, temperature=0)
+        stream = s.client.completions.create(model=s.model_id, prompt=prompt, max_tokens=24, temperature=0,
+                                             stream=True)
+        streamed = "".join(c.choices[0].text for c in stream if c.choices)
+        lines = s.text().splitlines()
     finally:
         s.kill()
+    compiled = [line for line in lines if "did not compile" in line]
+    shared = [line for line in lines if "shared-memory collectives are off" in line]
+    assert len(compiled) == 1 and "/nonexistent/c++" in compiled[0], compiled
+    assert len(shared) == 1 and "C compiler failed" in shared[0], shared
+    model = AutoModelForCausalLM.from_pretrained(default_model(), dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(default_model())
+    ids = tok(prompt).input_ids
+    want = generate(model, torch.tensor([ids]), max_new_tokens=24)[0, len(ids):].tolist()
+    assert answer.choices[0].text == tok.decode(want, skip_special_tokens=True) and answer.usage.completion_tokens == 24
+    assert streamed == answer.choices[0].text
 
 
 @pytest.mark.slow
