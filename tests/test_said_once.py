@@ -48,8 +48,10 @@ def test_a_refusal_is_said_once_when_rank_0_is_the_slowest(tmp_path, args, line)
 
 @pytest.mark.slow
 def test_every_refusal_is_said_once_beside_a_busy_process():
-    """Each refusal once at tp 2 (the ranks' order left to the scheduler; the slow rank 0 is forced above)."""
-    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    """Each refusal once at tp 2 (the ranks' order left to the scheduler; the slow rank 0 is forced above). The busy
+    process runs at the lowest priority: it takes a core whenever the ranks leave one idle, and none from the test
+    running beside this one in pytest's other worker (pyproject's addopts)."""
+    busy = subprocess.Popen([sys.executable, "-c", "import os\nos.nice(19)\nwhile True: pass"])
     try:
         for args, line in REFUSALS + [(["generate", "--model", "/nonexistent"], "autotp: error: ")]:
             out = torchrun(2, args, {})
