@@ -222,8 +222,9 @@ def serve(model: str, model_id: str, opts: ServeOptions = ServeOptions()) -> int
         # (AUTOTP_TIMEOUT), not in the control group's first broadcast, whose timeout is short
         dist.barrier(group=env.group)
     parts = _backend(net, channel, env, opts, max_model_len)
-    said = weight_form.kernels(net, env.device)  # after the budget's refusals: a refused start-up changes nothing
-    if env.rank == 0:  # after the budget's checks: a refused start-up says its error alone
+    # after the budget's checks: a refused start-up says its error alone and leaves F.linear as it was
+    said = weight_form.kernels(net, env.device)
+    if env.rank == 0:
         log(f"weights: {held}" + (f"; {said}" if said else ""))
     if opts.compile:
         _compile(parts.batch, channel, env)
