@@ -152,3 +152,53 @@ def test_generate_compile_at_tp2_prints_the_unsharded_tokens(tmp_path, no_compil
     assert len(said) == 1 and ("did not compile" in said[0]) == no_compiler, out.stderr[-3000:]
     want = generate(model, torch.tensor([prompt]), max_new_tokens=20)[0].tolist()
     assert json.loads(out.stdout)["output_ids"] == [want]
+
+
+FAILING_CXX = """#!/bin/sh
+[ "$1" = "--version" ] && { echo "c++ 1.0"; exit 0; }
+echo "c++: internal compiler error" >&2
+exit 1
+"""
+
+
+def test_a_compiler_that_fails_to_build_costs_generate_one_warning(tmp_path, capsys):
+    """A C++ compiler that answers --version (autotp.compiler finds it) and fails every build: inductor raises
+    mid-compile, after tracing, and generate says so in one line and runs eager, with eager's tokens."""
+    cxx = tmp_path / "c++"
+    cxx.write_text(FAILING_CXX)
+    cxx.chmod(0o755)
+    torch._dynamo.reset()  # no graph this process made earlier of the same forward may serve
+    model, prompt = build("gpt_bigcode_mqa12"), torch.tensor([[3, 17, 42, 8, 99]])
+    # not monkeypatch: setattr on inductor's config proxy deletes the option when undone
+    with torch._inductor.config.patch({"cpp.cxx": (str(cxx),), "fx_graph_cache": False}):  # nor a cached one
+        out = generate(model, prompt, max_new_tokens=12, compile=True)
+    said = [line for line in capsys.readouterr().err.splitlines() if "decode step" in line]
+    assert len(said) == 1 and "did not compile" in said[0] and "CppCompileError" in said[0], said
+    assert out.tolist() == generate(model, prompt, max_new_tokens=12).tolist()
+
+
+def test_a_compile_that_fails_on_a_rank_still_runs_its_warm_up_eager(tokenizer, monkeypatch):
+    """serve's warm-up where the graph raises (a compiler that fails mid-build): the warm-up's steps run eager,
+    so that the other ranks' collectives are met, then compile() raises what the compiler raised; the engine,
+    never given the graph, serves eager's tokens."""
+    calls = []
+
+    def failing(forward, **_):
+        def graph(ids, meta):
+            calls.append(ids.shape[1])
+            raise RuntimeError("c++: internal compiler error")
+
+        return graph
+
+    model = build("gpt_bigcode_mqa12")
+    engine = engine_for(model, tokenizer, limits=ROOMY)
+    eager = EagerForwards(model)
+    monkeypatch.setattr(torch, "compile", failing)
+    with pytest.raises(RuntimeError, match="internal compiler error"):
+        engine.batch.compile()
+    assert calls == [1] and eager.count == 2  # the graph tried once; both warm-up steps (1 and 2 rows) ran eager
+    arrivals = _jobs()
+    drive(engine, arrivals)
+    prompt = list(arrivals[0][0].row.ids)
+    assert tokens_of(arrivals[0][0].emit.ended) == generate(model, torch.tensor([prompt]),
+                                                            max_new_tokens=30)[0, 5:].tolist()

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from transformers import CompileConfig, LogitsProcessorList, StoppingCriteria, TextStreamer
 
-from autotp import distributed
+from autotp import compiler, distributed
 from autotp.errors import AutotpError
 from autotp.sampler import SamplerProcessor, SamplingParams
 
@@ -162,14 +162,17 @@ def _compiled(model, args: dict) -> dict:
     config = CompileConfig(fullgraph=True, mode="reduce-overhead" if cuda else "default")
     config._compile_all_devices = True  # HF compiles on GPUs only unless told (its own flag for CPU)
     extra = dict(cache_implementation="static", compile_config=config)
-    start = time.perf_counter()
+    start, no_compiler = time.perf_counter(), compiler.missing(model.device)
     try:
         with torch.inference_mode():
-            model.generate(**args, **extra, stopping_criteria=[_Tokens(args["inputs"].shape[1] + 2)])
+            # without a compiler the warm-up runs eager: a rank that has one compiles through the same collectives
+            model.generate(**args, **({} if no_compiler else extra),
+                           stopping_criteria=[_Tokens(args["inputs"].shape[1] + 2)])
     except torch._dynamo.exc.TorchDynamoException as e:
         why = f"{type(e).__name__}: {e}".splitlines()[0][:300]
     else:  # HF compiles only what it deems compilable (a cache it can compile, no offload, no quantizer saying no)
-        why = "" if hasattr(model, "_compiled_call") else "transformers does not compile this model's generate"
+        why = (f"{type(no_compiler).__name__}: {no_compiler}".splitlines()[0][:300] if no_compiler else
+               "" if hasattr(model, "_compiled_call") else "transformers does not compile this model's generate")
     if why:
         distributed.print0(f"autotp: warning: the decode step did not compile, it runs eager ({why})",
                            file=sys.stderr)

@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 import torch
 
+from autotp import compiler
 from autotp.serve.runner.attention import Group, StepMeta
 from autotp.serve.runner.paged import KvPool
 
@@ -89,9 +90,9 @@ class CompiledDecode:
 
     def warm_up(self, pool: KvPool, device) -> float:
         """Compile (every rank at once: the graph's collectives run); the seconds it took. Raises what the
-        compiler raised, after running the rest of the warm-up eager: a rank whose compiler failed still
-        meets the others' collectives."""
-        start, failure = time.perf_counter(), None
+        compiler raised, or that there is none (autotp.compiler, asked before tracing), after running the rest
+        of the warm-up eager: a rank whose compiler failed still meets the others' collectives."""
+        start, failure = time.perf_counter(), compiler.missing(device)
         for rows in (1, 2):  # four blocks of context: not 1, and not the rows' size
             meta, _ = decode_meta(pool, [[0] * 4] * rows, [3 * pool.block_size] * rows, device)
             meta.slot_mapping[:], meta.groups[0].slots[:] = pool.scratch, pool.slots
