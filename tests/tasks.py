@@ -204,10 +204,8 @@ def downloader_without_local_rank() -> bool:
 
 def greedy_ids(model_dir: str, prompts: list[list[int]], new_tokens: int, quantize: str | None = None,
                group_size: int = 128) -> list[list[int]]:
-    """This rank's shard of model_dir (quantized as asked), and each prompt's greedy continuation."""
+    """This rank's shard of model_dir (quantized as asked), and the greedy continuations of prompts of one length,
+    decoded together as one batch."""
     model = autotp.from_pretrained(model_dir, quantize=quantize, group_size=group_size)
-    out = []
-    for ids in prompts:
-        x = torch.tensor([ids])
-        out.append(generate(model, x, max_new_tokens=new_tokens)[0, x.shape[1]:].tolist())
-    return out
+    x = torch.tensor(prompts)  # (rows, prompt_len): no padding
+    return generate(model, x, max_new_tokens=new_tokens)[:, x.shape[1]:].tolist()
