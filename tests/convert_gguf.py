@@ -5,10 +5,17 @@ this with a folder holding them on PYTHONPATH).
     python convert_gguf.py GGUF_DIR GGUF_FILE OUT_DIR
 """
 
+import functools
 import sys
 
+import gguf
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+# transformers reads the file's fields three times (tokenizer, config, tensors) and builds llama's tensor-name map
+# again for each of its ~400 modules: one reader and one map serve them all (22 -> 8 s of a core)
+gguf.GGUFReader = functools.lru_cache(maxsize=None)(gguf.GGUFReader)
+gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map)
 
 source, gguf_file, out = sys.argv[1:4]
 torch.set_num_threads(1)
