@@ -239,8 +239,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def cmd_serve(args) -> int:
-    from autotp.serve import serve
-    from autotp.serve.server import ServeOptions
+    from autotp.serve.options import ServeOptions
 
     key, source = args.api_key, "--api-key"
     if key is None:
@@ -258,6 +257,9 @@ def cmd_serve(args) -> int:
                         allowed_hosts=args.allowed_hosts, api_key=key, block_size=args.block_size,
                         prefix_caching=args.prefix_caching, speculate=args.speculate, compile=args.compile,
                         attention=args.attention)
+    opts.check()  # before the server's imports (transformers' model code, the HTTP stack): a refusal costs none
+    from autotp.serve import serve
+
     return serve(args.model or default_model(), model_id=args.model or DEMO_ID, opts=opts)
 
 

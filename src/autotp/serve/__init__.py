@@ -33,6 +33,7 @@ lockstep/ (between the ranks):
 - watchdog.py: a step that failed on some ranks only, found within seconds.
 
 types.py: the plain types the API and the engine share (Row, Piece, Result) and the log line; no torch.
+options.py: the settings (`ServeOptions`), and the contradictions among them refused before loading; no torch.
 server.py: `serve()` and `backend()`, the one place that imports them all and ties them together.
 
 `serve` is imported on first use, so that the protocol modules of api/ import without torch.

@@ -36,6 +36,7 @@ from autotp.serve.engine.blocks import BlockPool
 from autotp.serve.engine.loop import Engine, StopFlag, follow
 from autotp.serve.engine.planner import Limits, PagedPlanner
 from autotp.serve.lockstep.wire import Channel, Step
+from autotp.serve.options import ServeOptions
 from autotp.serve.runner import budget, flex, varlen, weight_form
 from autotp.serve.runner.compiled import cache_dir
 from autotp.serve.runner.model_runner import PagedBatch
@@ -63,34 +64,6 @@ def public_name(model: str) -> str:
     """What /v1/models shows and clients send: a directory's name, not its path; a hub id as given."""
     path = Path(model)
     return path.resolve().name if path.is_dir() else model
-
-
-@dataclass(frozen=True)
-class ServeOptions:
-    """`autotp serve`'s settings, as the flags give them (cli.py)."""
-
-    host: str = "127.0.0.1"
-    port: int = 8000
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int = 2048
-    kv_cache_memory: int | None = None  # bytes per rank; None: from the free memory (budget.py)
-    gpu_memory_utilization: float = budget.GPU_MEMORY_UTILIZATION  # vLLM's flag: share of the GPU's memory
-    max_queue: int = 256
-    max_model_len: int | None = None
-    tokenizer: str | None = None  # a directory or hub id; default: the model's
-    dtype: str | None = None
-    device: str | None = None
-    quantize: str | None = None
-    group_size: int = 128
-    max_body_bytes: int = 2**21
-    read_timeout: float = 30.0
-    allowed_hosts: list[str] | None = None
-    api_key: str | None = None
-    block_size: int = 16  # tokens per KV block
-    prefix_caching: bool = True
-    speculate: int = 4  # prompt-lookup draft tokens per decoding row and step (cli.SPECULATE)
-    compile: bool = False  # the decode step as one compiled graph (compiled.py; cli.COMPILE)
-    attention: str = "sdpa"  # the attention backend: sdpa, flex or varlen (flex.choose, varlen.choose)
 
 
 def _size(n: int) -> str:
@@ -185,11 +158,7 @@ def serve(model: str, model_id: str, opts: ServeOptions = ServeOptions()) -> int
     model_id: the name clients use (a directory's path is shown by its name only)."""
     _stop_with_launcher()
     model_id = public_name(model_id)
-    if opts.api_key is not None and not opts.api_key.strip():
-        raise AutotpError("the API key is empty: give a key, or none to serve without one")
-    if opts.max_num_batched_tokens < opts.max_num_seqs:
-        raise AutotpError(f"--max-num-batched-tokens {opts.max_num_batched_tokens} is less than --max-num-seqs "
-                          f"{opts.max_num_seqs}: every running row decodes one token per step")
+    opts.check()
     env = distributed.init(opts.device)
     attention = varlen.choose(flex.choose(opts.attention, env.device, opts.block_size), env.device, opts.block_size)
     opts = replace(opts, attention=attention)  # every rank alike

@@ -18,8 +18,8 @@ import os
 import torch
 
 from autotp.errors import AutotpError
+from autotp.serve.options import GPU_MEMORY_UTILIZATION
 
-GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default: the share of the GPU's total memory this rank may hold
 CPU_FRACTION = 0.5  # of MemAvailable, shared by the host's ranks: activations and the OS need the rest
 
 
