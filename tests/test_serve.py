@@ -68,6 +68,19 @@ def test_the_api_boundary_imports_no_torch():
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
+def test_contradictory_flags_are_refused_before_the_server_is_imported():
+    """`autotp serve --max-num-batched-tokens 1`: its one line and exit 2, with neither transformers' model code nor
+    the HTTP stack imported for it (serve/options.py): under a launcher each rank would import them first."""
+    code = ("import sys, autotp.cli\n"
+            "code = autotp.cli.main(['serve', '--max-num-batched-tokens', '1'])\n"
+            "print(code, sorted(m for m in ('transformers.modeling_utils', 'fastapi', 'autotp.serve.server')"
+            " if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=ENV)
+    assert out.stdout.strip() == "2 []", out.stdout + out.stderr
+    assert out.stderr.strip() == ("autotp: error: --max-num-batched-tokens 1 is less than --max-num-seqs 16: every "
+                                  "running row decodes one token per step")
+
+
 def test_models_and_health(server, model_dir):
     # the directory's name, not its path: a client has no business knowing where the weights lie
     assert [m.id for m in server.client.models.list().data] == [os.path.basename(model_dir)]
