@@ -478,6 +478,28 @@ def test_a_rank_killed_while_serving_is_named_in_one_line(model_dir, tmp_path, s
         s.kill()
 
 
+def test_a_peer_whose_reset_comes_before_its_exit_shows_is_still_named(tmp_path):
+    """gloo's "Connection reset by peer" names no rank, so rank 0 looks up which local rank's process is gone. A
+    killed process's sockets close before /proc shows it exited, and on a busy host the reset can come first
+    (seen in a CI run: "a rank exited ... pid unknown"): the look-up waits for the exit to show. Here the peer
+    exits 0.3 s after the reset arrives."""
+    import torch.distributed as dist
+
+    from autotp.serve.lockstep import watchdog
+
+    peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"])
+    try:
+        watch = watchdog.Watch(0, 1, "t")  # tp 1 keeps no store: given one, as tp 2 would have
+        watch.tp, watch.store = 2, dist.HashStore()
+        for rank, pid in enumerate((os.getpid(), peer.pid)):  # what each rank's Watch writes
+            watch.store.set(f"{watchdog.PREFIX}/t/pid/{rank}", f"{socket.gethostname()} {pid}")
+        reset = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:1: Connection reset by peer")
+        line = watch.died(reset, "decoding")
+        assert line.startswith(f"rank 1 (pid {peer.pid}) exited while the ranks were decoding: RuntimeError: "), line
+    finally:
+        peer.wait()
+
+
 @pytest.mark.timeout(180)
 def test_a_machine_without_a_compiler_serves_eager_after_one_warning_each(tmp_path):
     """`autotp serve --compile` at tp 2 where neither `cc` nor inductor's C++ compiler runs (and ~/.cache holds no

@@ -30,6 +30,7 @@ from autotp.distributed import exited_rank, peer_lost
 
 GRACE_S = 5.0  # ranks that fail alike fail within milliseconds of each other: a second rank's note comes sooner
 POLL_S = 0.25
+EXIT_SEEN_S = 2.0  # how long a lost peer's process on this host may take to show in /proc as exited
 PREFIX = "autotp/serve/failed"
 
 
@@ -61,14 +62,21 @@ class Watch:
             return f"rank {exited.rank} (pid {exited.pid}) exited while the ranks were {doing}"
         if not peer_lost(e):
             return None
-        dead = []
+        peers = []  # (rank, pid) of the other ranks on this host
         try:
             for r in range(self.tp):
                 host, pid = self.store.get(f"{PREFIX}/{self.tag}/pid/{r}").decode().split()
-                if r != self.rank and host == socket.gethostname() and gone(int(pid)):
-                    dead.append(f"rank {r} (pid {pid})")
+                if r != self.rank and host == socket.gethostname():
+                    peers.append((r, int(pid)))
         except Exception:  # noqa: BLE001 - the store went with the ranks: say what the collective said
-            dead = []
+            peers = []
+        # a killed process's sockets close before /proc shows it exited: the reset can come first
+        deadline = time.monotonic() + EXIT_SEEN_S
+        while True:
+            dead = [f"rank {r} (pid {pid})" for r, pid in peers if gone(pid)]
+            if dead or not peers or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
         who = " and ".join(dead) + (" exited" if dead else "a rank exited (on another host, or its pid unknown)")
         return f"{who} while the ranks were {doing}: {type(e).__name__}: {e}".splitlines()[0][:300]
 
