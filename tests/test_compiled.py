@@ -21,8 +21,6 @@ from autotp.generate import generate
 from autotp.serve.runner.compiled import bucket, decode_meta
 from autotp.serve.runner.paged import KvPool
 
-pytestmark = pytest.mark.slow  # every test here compiles or loads the real model (conftest: slow)
-
 DEMO = str(__import__("pathlib").Path(__import__("autotp").__file__).parent / "demo_model")
 
 
@@ -73,6 +71,7 @@ def test_padding_rows_write_the_scratch_slot_and_read_only_the_zero_slot():
     assert meta.positions.tolist() == [5, 2, 9, 0]
 
 
+@pytest.mark.slow  # a cold compile: 20-35 s on 2 cores
 @pytest.mark.parametrize("name", ["gpt_bigcode_mqa12", "mistral", "falcon_alibi"])
 def test_the_compiled_step_gets_the_eager_tokens_and_runs_every_decode_step(name, tokenizer):
     """StarCoder's multi-query layout, a sliding window of 4, and Falcon's ALiBi (whose forward reads the step's
@@ -99,6 +98,7 @@ def test_the_compiled_step_gets_the_eager_tokens_and_runs_every_decode_step(name
     assert tokens_of(ended[True][0]) == generate(model, torch.tensor([prompt]), max_new_tokens=30)[0, 5:].tolist()
 
 
+@pytest.mark.slow  # a cold compile on each of 2 ranks
 def test_a_client_of_a_compiled_server_gets_the_unsharded_text(tmp_path):
     """`autotp serve --compile` at tp 2 on the demo model (StarCoder's multi-query layout) through the openai
     client: rank 0 reports the warm-up; greedy text, whole or streamed, is the unsharded model's; and two
@@ -136,7 +136,9 @@ def _generate(tp: int, model_dir, *args: str, env: dict | None = None) -> subpro
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
-@pytest.mark.parametrize("no_compiler", [False, True], ids=["compiled", "no-compiler"])
+# a cold compile on each of 2 ranks; without a compiler, one launch (autotp.compiler answers before tracing)
+@pytest.mark.parametrize("no_compiler", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["compiled", "no-compiler"])
 def test_generate_compile_at_tp2_prints_the_unsharded_tokens(tmp_path, no_compiler):
     """`torchrun --nproc-per-node 2 -m autotp generate --compile` on StarCoder's layout: rank 0 says the step
     compiled (or, without a C++ compiler, one warning that it runs eager), and the tokens are HF's unsharded."""
