@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 
 
-def missing(device: torch.device) -> Exception | None:
+def missing(device: torch.device | str) -> Exception | None:
     """What inductor raises for want of a C++ compiler for a graph on `device`; None where it has one (or the
     device is not a CPU)."""
-    if device.type != "cpu":
+    if torch.device(device).type != "cpu":
         return None
     from torch._inductor import cpp_builder
 
