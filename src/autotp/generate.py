@@ -162,17 +162,18 @@ def _compiled(model, args: dict) -> dict:
     config = CompileConfig(fullgraph=True, mode="reduce-overhead" if cuda else "default")
     config._compile_all_devices = True  # HF compiles on GPUs only unless told (its own flag for CPU)
     extra = dict(cache_implementation="static", compile_config=config)
-    start, no_compiler = time.perf_counter(), compiler.missing(model.device)
+    start, failure = time.perf_counter(), compiler.missing(model.device)
     try:
         with torch.inference_mode():
             # without a compiler the warm-up runs eager: a rank that has one compiles through the same collectives
-            model.generate(**args, **({} if no_compiler else extra),
+            model.generate(**args, **({} if failure else extra),
                            stopping_criteria=[_Tokens(args["inputs"].shape[1] + 2)])
     except torch._dynamo.exc.TorchDynamoException as e:
-        why = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        failure = e
+    if failure is not None:
+        why = f"{type(failure).__name__}: {failure}".splitlines()[0][:300]
     else:  # HF compiles only what it deems compilable (a cache it can compile, no offload, no quantizer saying no)
-        why = (f"{type(no_compiler).__name__}: {no_compiler}".splitlines()[0][:300] if no_compiler else
-               "" if hasattr(model, "_compiled_call") else "transformers does not compile this model's generate")
+        why = "" if hasattr(model, "_compiled_call") else "transformers does not compile this model's generate"
     if why:
         distributed.print0(f"autotp: warning: the decode step did not compile, it runs eager ({why})",
                            file=sys.stderr)
