@@ -32,6 +32,12 @@ HERE = Path(__file__).parent
 
 
 def wire():
+    """The module with the engine's Step and Work: lockstep/step.py, or an older engine's wire module."""
+    try:
+        from autotp.serve.lockstep import step
+        return step
+    except ImportError:  # an older engine
+        pass
     try:
         from autotp.serve.lockstep import wire
     except ImportError:  # the older engine
@@ -41,12 +47,23 @@ def wire():
 
 def work(row, tokens, start, blocks, sample=True, every=False, draft=0):
     """A step's entry for one row, as the engine under test spells it (the older one: a plain tuple)."""
+    if hasattr(wire(), "NewRequest"):  # this engine's: a request's work, by id
+        return wire().Work(id=row, tokens=tuple(tokens), start=start, blocks=tuple(blocks), sample=sample,
+                           every=every, draft=draft)
     if hasattr(wire(), "Work"):
         return wire().Work(row, tuple(tokens), start, tuple(blocks), sample, every, draft)
     return (row, tuple(tokens), start, tuple(blocks), sample, every)
 
 
 def make_batch(model, blocks: int, speculate: int):
+    try:
+        from autotp.serve.engine.scheduler import Limits
+        from autotp.serve.runner.probe import probe
+        from autotp.serve.server import parts
+        return parts(model, probe(model), Limits(128, 1 << 16, blocks * 16), 16, False, rank0=False,
+                     speculate=speculate)[0]
+    except ImportError:  # an older engine
+        pass
     try:
         from autotp.serve.server import backend
     except ImportError:  # the older engine
@@ -74,7 +91,10 @@ def timed(batch, steps: list[list], runs: int) -> float:
     Step = wire().Step
     times = []
     for i in range(runs + 1):
-        batch.discard(batch.rows())
+        if hasattr(batch, "requests"):  # this engine's runner: the rows end by a step
+            batch.apply(Step(finished=tuple(batch.requests())))
+        else:
+            batch.discard(batch.rows())
         start = time.perf_counter()
         for entries in steps:
             step = Step(work=tuple(entries))

@@ -25,12 +25,11 @@ import torch
 from common import write_json
 from servers import model_path
 
-from autotp.serve.engine.loop import Engine, StopFlag
-from autotp.serve.engine.planner import Limits
-from autotp.serve.engine.request import Request
+from autotp.serve import server
+from autotp.serve.engine.loop import Engine
+from autotp.serve.engine.scheduler import Limits
 from autotp.serve.lockstep.wire import Channel
 from autotp.serve.runner.probe import probe
-from autotp.serve.server import backend
 from autotp.serve.types import Row
 
 HERE = Path(__file__).parent
@@ -38,28 +37,29 @@ HERE = Path(__file__).parent
 
 def engine(model, tokenizer, rows: int, context: int, steps: int) -> Engine:
     limits = Limits(rows + 1, 2048, (rows + 2) * (context + 2 * steps + 16) + 2 * context)
-    batch, planner = backend(model, probe(model), limits)
-    return Engine(batch, tokenizer, Channel(), StopFlag(), limits, 256, planner=planner)
+    runner, scheduler = server.parts(model, probe(model), limits)
+    return server.engine(model, tokenizer, runner, scheduler, Channel())
 
 
 def measure(model, tokenizer, churn: bool, rows: int, context: int, steps: int) -> float:
     prompt = tuple(torch.randint(0, model.config.vocab_size, (context,), generator=torch.Generator().manual_seed(0))
                    .tolist())
     eng = engine(model, tokenizer, rows, context, steps)
-    jobs = []
+    clients = []
 
     def submit():
-        jobs.append(Request(Row(prompt, steps + 16, 0.0, 1.0, 0), 0, lambda e: None))  # never finishes here
-        eng.submit([jobs[-1]])
+        clients.append(f"row{len(clients)}")
+        eng.submit(clients[-1], [Row(prompt, steps + 16, 0.0, 1.0, 0)])  # never finishes here
 
     for _ in range(rows):
         submit()
-    while len(eng.active) < rows or any(not a.tokens for a in eng.active.values()):  # every row prefilled
+    running = eng.scheduler.running
+    while len(running) < rows or any(not r.output for r in running.values()):  # every row prefilled
         eng.step()
     times = []
-    for _ in range(steps):
+    for i in range(steps):
         if churn:
-            next(j for j in jobs if not j.cancelled).cancelled = True
+            eng.abort(clients[i])
             submit()
         t0 = time.perf_counter()
         eng.step()

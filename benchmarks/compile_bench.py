@@ -44,58 +44,59 @@ def bandwidth_gbs(mib: int = 256) -> float:
     return 2 * src.numel() / best / 1e9
 
 
-def engine_run(model, batch, channel, planner, limits, rows: int, new: int) -> tuple[float, list]:
+def engine_run(model, runner, channel, limits, rows: int, new: int) -> tuple[float, list]:
     """Rank 0: `rows` greedy rows at once on a fresh engine; (ms per decode step, each row's tokens)."""
     from transformers import AutoTokenizer
 
-    from autotp.serve.engine.loop import Engine, StopFlag
-    from autotp.serve.engine.request import Request
-    from autotp.serve.types import Row
+    from autotp.serve import server
+    from autotp.serve.engine.blocks import BlockPool
+    from autotp.serve.engine.scheduler import Scheduler
+    from autotp.serve.types import Finished, Row
 
-    engine = Engine(batch, AutoTokenizer.from_pretrained(model.name_or_path), channel, StopFlag(), limits, 64,
-                    planner=planner)
-    ended = []
-    jobs = [Request(Row(tuple(PROMPT), new, 0.0, 1.0, None, (), 0, None, False), i, ended.append) for i in range(rows)]
-    engine.submit(jobs)
-    engine.step()  # the prefill
+    scheduler = Scheduler(BlockPool(limits.kv_tokens // 16, 16, False), limits)
+    engine = server.engine(model, AutoTokenizer.from_pretrained(model.name_or_path), runner, scheduler, channel, 64)
+    engine.submit("bench", [Row(tuple(PROMPT), new, 0.0, 1.0, 0) for _ in range(rows)])
+    ended = engine.step().events  # the prefill
     start, steps = time.perf_counter(), 0
-    while sum(e[0] == "done" for e in ended) < rows:
-        engine.step()
+    while sum(isinstance(e, Finished) for e in ended) < rows:
+        ended += engine.step().events
         steps += 1
     ms = (time.perf_counter() - start) * 1e3 / steps
-    done = sorted((e for e in ended if e[0] == "done"), key=lambda e: e[1])
-    return ms, [list(e[2].tokens) for e in done]
+    done = sorted((e for e in ended if isinstance(e, Finished)), key=lambda e: e.index)
+    return ms, [list(e.result.tokens) for e in done]
 
 
 def worker(path: str, batches: list[int], new: int, out: str, startup_only: bool) -> None:
     import autotp
     import autotp.distributed
-    from autotp.serve.engine.loop import StopFlag, follow
-    from autotp.serve.engine.planner import Limits
-    from autotp.serve.lockstep.wire import Channel, Step
+    from autotp.serve.engine.scheduler import Limits
+    from autotp.serve.lockstep.executor import follow
+    from autotp.serve.lockstep.step import Step
+    from autotp.serve.lockstep.wire import Channel
     from autotp.serve.runner.probe import probe
-    from autotp.serve.server import backend
+    from autotp.serve.server import parts
+    from autotp.serve.types import StopFlag
 
     env = autotp.distributed.init("cpu")
     world, rank = env.world_size, env.rank
     model = autotp.from_pretrained(path, dtype="float32", check_inputs=False)
     channel = Channel()
     limits = Limits(max(batches), 4096, 8192)
-    batch, planner = backend(model, probe(model), limits, 16, False, rank0=rank == 0)
+    runner, _ = parts(model, probe(model), limits, 16, False, rank0=rank == 0)
     result = {"tp": world, "rows": []}
 
     def phase() -> dict:
         if rank != 0:
-            follow(batch, channel, StopFlag())
+            follow(runner, channel, StopFlag())
             return {}
-        runs = {b: engine_run(model, batch, channel, planner, limits, b, new) for b in batches}
+        runs = {b: engine_run(model, runner, channel, limits, b, new) for b in batches}
         channel.send(Step(stop=True))
         return runs
 
     if not startup_only:
         eager = phase()
-    result["compile_s"] = batch.compile()
-    batch.use_graph()
+    result["compile_s"] = runner.compile()
+    runner.use_graph()
     if not startup_only:
         compiled = phase()
         if rank == 0:

@@ -7,7 +7,7 @@ rows of x, the 113 MB LM head (49152 x 576) for one row, and a plain read of 400
 speed. The same in bfloat16 (the weights halved: 212 MB), where this CPU has AVX512_BF16 and so gemv.c's
 bfloat16 loop. Then torch's int8 and int4 CPU kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`, groups
 of 32) on the same layer products, one row, with float32 activations and with bfloat16 ones: why
-`autotp serve --quantize` holds activations in bfloat16 on CPU (serve/runner/weight_form.py). Median of --runs
+`autotp serve --quantize` holds activations in bfloat16 on CPU (serve/startup/weight_form.py). Median of --runs
 passes per figure; GB/s counts the weight bytes read.
 
     python benchmarks/gemv_bench.py [--runs 5]

@@ -72,28 +72,34 @@ def decode_ms(model, batch: int, prompt_len: int, new_tokens: int, runs: int) ->
     return statistics.median(times)
 
 
-def engine_ms(batch_obj, rows: int, prompt_len: int, new_tokens: int, runs: int) -> float:
-    """The same for the serve engine's paged step: `rows` rows prefilled in one step, then `new_tokens`
-    decode steps, each row's next token its argmax. Every rank runs the same steps (no scheduler)."""
-    from autotp.serve.lockstep.wire import Step, Work
+def engine_ms(runner, rows: int, prompt_len: int, new_tokens: int, runs: int) -> float:
+    """The same for the serve engine's paged step: `rows` greedy requests prefilled in one step, then `new_tokens`
+    decode steps, each request's next token read back as the server reads it (one host sync per step). Every rank
+    runs the same steps (no scheduler)."""
+    from autotp.sampling.rules import SamplingParams
+    from autotp.serve.lockstep.step import NewRequest, Step, Work
 
-    size = batch_obj.pool.block_size
+    size = runner.pool.block_size
     blocks = -(-(prompt_len + new_tokens + 1) // size)
     prompt = torch.randint(0, 1000, (rows, prompt_len), generator=torch.Generator().manual_seed(1)).tolist()
     times = []
     for i in range(runs + 1):
-        table = {r: tuple(range(r * blocks, (r + 1) * blocks)) for r in range(rows)}
-        step = Step(work=tuple(Work(r, tuple(prompt[r]), 0, table[r], True, False) for r in range(rows)))
-        batch_obj.apply(step)
-        tokens = batch_obj.run(step).logits.argmax(-1).tolist()
+        ids = range(i * rows, (i + 1) * rows)  # new requests each run
+        step = Step(new=tuple(NewRequest(id=r, sampling=SamplingParams()) for r in ids),
+                    work=tuple(Work(id=r, tokens=tuple(prompt[r % rows]), start=0,
+                                    blocks=tuple(range(r % rows * blocks, (r % rows + 1) * blocks)), sample=True,
+                                    every=False) for r in ids))
+        runner.apply(step)
+        tokens = runner.run(step).sampled
         torch.cuda.synchronize()
         start = time.perf_counter()
         for n in range(new_tokens):
-            step = Step(work=tuple(Work(r, (tokens[r],), prompt_len + n, (), True, False) for r in range(rows)))
-            batch_obj.apply(step)
-            tokens = batch_obj.run(step).logits.argmax(-1).tolist()
+            step = Step(work=tuple(Work(id=r, tokens=tokens[r].tokens, start=prompt_len + n, blocks=(), sample=True,
+                                        every=False) for r in ids))
+            runner.apply(step)
+            tokens = runner.run(step).sampled
         torch.cuda.synchronize()
-        batch_obj.discard(list(table))
+        runner.apply(Step(finished=tuple(ids)))
         if i:
             times.append((time.perf_counter() - start) * 1e3 / new_tokens)
     return statistics.median(times)
@@ -118,10 +124,11 @@ def main() -> None:
     from transformers import GPTBigCodeConfig, GPTBigCodeForCausalLM
 
     import autotp
-    from autotp.serve.engine.planner import Limits
-    from autotp.serve.runner import flex, varlen
+    from autotp.serve.engine.scheduler import Limits
+    from autotp.serve.runner.attention.backends import check_model, choose
+    from autotp.serve.runner.attention.varlen import PAGE_MULTIPLE
     from autotp.serve.runner.probe import probe
-    from autotp.serve.server import backend
+    from autotp.serve.server import parts
 
     tp, rank = int(os.environ["WORLD_SIZE"]), int(os.environ.get("RANK", 0))
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -157,24 +164,22 @@ def main() -> None:
     warm = None
     if "engine" in args.systems:
         for attention in args.attention:
-            block = varlen.PAGE_MULTIPLE if attention == "varlen" else 16
+            block = PAGE_MULTIPLE if attention == "varlen" else 16
             # a torch without the backend, or a model it cannot run, fails here in one line
-            varlen.choose(flex.choose(attention, torch.device("cuda"), block), torch.device("cuda"), block)
-            if attention == "varlen":
-                varlen.refuse(needs, shapes)
-            paged, _ = backend(model, shapes, limits(block), block, False, rank0=False, attention=attention)
+            check_model(choose(attention, torch.device("cuda"), block), needs, shapes)
+            runner, _ = parts(model, shapes, limits(block), block, False, attention=attention)
             for batch in args.batch:
-                report(f"engine/{attention}", batch, engine_ms(paged, batch, args.prompt_len, args.new_tokens,
+                report(f"engine/{attention}", batch, engine_ms(runner, batch, args.prompt_len, args.new_tokens,
                                                                args.runs))
-            del paged  # its KV pool
+            del runner  # its KV pool
     if "compiled" in args.systems:
-        paged, _ = backend(model, shapes, limits(16), 16, False, rank0=False, attention="sdpa")
-        warm = paged.compile()
-        paged.use_graph()
+        runner, _ = parts(model, shapes, limits(16), 16, False, attention="sdpa")
+        warm = runner.compile()
+        runner.use_graph()
         if rank == 0:
             print(f"compiled the decode step in {warm:.1f} s", flush=True)
         for batch in args.batch:
-            report("compiled", batch, engine_ms(paged, batch, args.prompt_len, args.new_tokens, args.runs))
+            report("compiled", batch, engine_ms(runner, batch, args.prompt_len, args.new_tokens, args.runs))
     if rank != 0:
         return
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "tp": tp,

@@ -81,30 +81,27 @@ def prompts(tok, chat: bool, count: int = 4) -> dict[str, list[list[int]]]:
 
 def run(model, tok, ids: list[int], k: int) -> tuple[tuple[int, ...], float, int, int]:
     """One greedy request alone on a fresh engine: its tokens, seconds, draft tokens and accepted ones."""
-    from autotp.serve.api.metrics import Metrics
-    from autotp.serve.engine.loop import Engine, StopFlag
-    from autotp.serve.engine.planner import Limits
-    from autotp.serve.engine.request import Request
+    from autotp.serve import server
+    from autotp.serve.engine.scheduler import Limits
     from autotp.serve.lockstep.wire import Channel
     from autotp.serve.runner.probe import probe
-    from autotp.serve.server import backend
-    from autotp.serve.types import Row
+    from autotp.serve.types import Failed, Finished, Row
 
     limits = Limits(16, 2048, 4096)
-    batch, planner = backend(model, probe(model), limits, 16, True)
-    engine = Engine(batch, tok, Channel(), StopFlag(), limits, 16, planner=planner, speculate=k)
-    engine.metrics = Metrics(lambda: 0, lambda: 0, lambda: 0.0)
-    ended = []
-    job = Request(Row(tuple(ids), NEW_TOKENS, 0.0, 1.0, None, (), 0, None, False), 0, ended.append)
+    runner, scheduler = server.parts(model, probe(model), limits, 16, True, speculate=k)
+    engine = server.engine(model, tok, runner, scheduler, Channel(), 16)
+    drafted = accepted = 0
     start = time.perf_counter()
-    engine.submit([job])
-    while not any(e[0] in ("done", "error") for e in ended):
-        engine.step()
+    engine.submit("bench", [Row(tuple(ids), NEW_TOKENS, 0.0, 1.0, 0)])
+    while True:
+        out = engine.step()
+        drafted, accepted = drafted + out.stats.drafted, accepted + out.stats.accepted
+        end = next((e for e in out.events if isinstance(e, Finished | Failed)), None)
+        if end is not None:
+            break
     seconds = time.perf_counter() - start
-    result = next(e for e in ended if e[0] in ("done", "error"))
-    assert result[0] == "done", result
-    return (result[2].tokens, seconds, int(engine.metrics.drafted._value.get()),
-            int(engine.metrics.accepted._value.get()))
+    assert isinstance(end, Finished), end
+    return end.result.tokens, seconds, drafted, accepted
 
 
 def main() -> None:

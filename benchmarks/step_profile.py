@@ -2,7 +2,7 @@
 process (the engine as serve runs it, without HTTP), every core.
 
 The engine's step is timed in its parts by wrapping them: the linear products (every `gemv.linear` call: gemv.c's
-few-row kernel or F.linear), the paged attention (`PagedCache.attend` and the KV writes of `update`), the rest of
+few-row kernel or F.linear), the paged attention (`StepCache.attend` and the KV writes of `update`), the rest of
 the forward (norms, rotary, activations, the model's Python), and outside the forward: planning, the step's wire
 and applying it, sampling and detokenizing (`output.take`). The HTTP side is what llama_bench.py's streamed
 ms/token adds to the engine's step. Decode: one greedy row, 64 steps after its prompt; prefill: a 400-token prompt
@@ -51,34 +51,30 @@ class Clock:
 
 
 def engine(model, tokenizer, clock: Clock):
-    from autotp.serve.api.metrics import Metrics
-    from autotp.serve.engine.loop import Engine, StopFlag
-    from autotp.serve.engine.planner import Limits
+    from autotp.serve import server
+    from autotp.serve.engine.scheduler import Limits
     from autotp.serve.lockstep.wire import Channel
     from autotp.serve.runner.probe import probe
-    from autotp.serve.server import backend
 
     limits = Limits(16, 2048, 8192)
-    batch, planner = backend(model, probe(model), limits, 16, True)
-    eng = Engine(batch, tokenizer, Channel(), StopFlag(), limits, 16, planner=planner)
-    eng.metrics = Metrics(lambda: 0, lambda: 0, lambda: 0.0)
-    clock.wrap(batch, "run", "forward")
-    clock.wrap(eng.output, "take", "sample, detokenize")
+    runner, scheduler = server.parts(model, probe(model), limits, 16, True)
+    eng = server.engine(model, tokenizer, runner, scheduler, Channel(), 16)
+    clock.wrap(runner, "_forward", "forward")
+    clock.wrap(runner.next_tokens, "take", "sample, detokenize")
+    clock.wrap(eng.output, "process", "sample, detokenize")
     return eng
 
 
 def request(eng, ids: list[int], max_tokens: int, clock: Clock) -> tuple[dict, int]:
     """Runs one greedy request to its end; per step: seconds by part, and the steps taken (its prefill first)."""
-    from autotp.serve.engine.request import Request
-    from autotp.serve.types import Row
+    from autotp.serve.types import Failed, Finished, Row
 
-    ended = []
-    eng.submit([Request(Row(tuple(ids), max_tokens, 0.0, 1.0, None, (), 0, None, False), 0, ended.append)])
-    parts, steps = defaultdict(list), 0
-    while not any(e[0] in ("done", "error") for e in ended):
+    eng.submit("profile", [Row(tuple(ids), max_tokens, 0.0, 1.0, 0)])
+    parts, steps, ended = defaultdict(list), 0, False
+    while not ended:
         clock.spent.clear()
         t = time.perf_counter()
-        eng.step()
+        ended = any(isinstance(e, Finished | Failed) for e in eng.step().events)
         wall = time.perf_counter() - t
         spent = dict(clock.spent)
         parts["step"].append(wall)
@@ -103,7 +99,7 @@ def main() -> None:
 
     import autotp
     from autotp.parallel import gemv
-    from autotp.serve.runner import paged
+    from autotp.serve.runner import kv_cache
 
     kernel = "F.linear (AUTOTP_GEMV=0)" if os.environ.get("AUTOTP_GEMV") == "0" else (gemv.enable() or "gemv.c")
     path = model_path("smollm2")
@@ -111,8 +107,8 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(path)
     clock = Clock()
     clock.wrap(gemv, "linear", "linear products")
-    clock.wrap(paged.PagedCache, "attend", "attention + KV writes")
-    clock.wrap(paged.PagedCache, "update", "attention + KV writes")
+    clock.wrap(kv_cache.StepCache, "attend", "attention + KV writes")
+    clock.wrap(kv_cache.StepCache, "update", "attention + KV writes")
     eng = engine(model, tokenizer, clock)
     text = tokenizer("".join(source(i) for i in range(4))).input_ids
     request(eng, text[:32], 4, clock)  # warm-up

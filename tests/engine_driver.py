@@ -8,53 +8,69 @@ from __future__ import annotations
 
 import torch
 
-from autotp.serve.engine.loop import Engine, StopFlag, follow
-from autotp.serve.engine.planner import Limits
-from autotp.serve.engine.request import Request
-from autotp.serve.engine.text import TextStream
-from autotp.serve.lockstep.wire import Channel, Step
+from autotp.serve import server
+from autotp.serve.engine.loop import Engine
+from autotp.serve.engine.scheduler import Limits
+from autotp.serve.lockstep.executor import follow
+from autotp.serve.lockstep.step import Step
+from autotp.serve.lockstep.wire import Channel
 from autotp.serve.runner.probe import probe
-from autotp.serve.server import backend
-from autotp.serve.types import Row
+from autotp.serve.server import parts
+from autotp.serve.types import Event, Failed, Finished, Row, StopFlag, Token
 
 
-class Recorder:
-    """The events of one job, as the HTTP side would receive them."""
+class Job:
+    """One row as a client sends it (its own request, named `client`) and the events it gets back."""
 
-    def __init__(self):
-        self.events: list[tuple] = []
-
-    def __call__(self, event: tuple) -> None:
-        self.events.append(event)
+    def __init__(self, row: Row, stream: bool, client: str):
+        self.row, self.stream, self.client = row, stream, client
+        self.events: list[Event] = []
+        self.cancelled = False  # its client went away (cancel)
 
     @property
-    def ended(self) -> tuple | None:
-        return next((e for e in self.events if e[0] in ("done", "error")), None)
+    def ended(self) -> Finished | Failed | None:
+        return next((e for e in self.events if isinstance(e, Finished | Failed)), None)
+
+    @property
+    def result(self):
+        """Its answer (types.Result); fails the test where it ended otherwise."""
+        assert isinstance(self.ended, Finished), self.ended
+        return self.ended.result
 
     @property
     def streamed(self) -> str:
-        return "".join(e[2].text for e in self.events if e[0] == "token")
+        return "".join(e.piece.text for e in self.events if isinstance(e, Token))
+
+    def cancel(self, engine: Engine) -> None:
+        self.cancelled = True
+        engine.abort(self.client)
 
 
 def job(ids, max_tokens: int, temperature: float = 0.0, seed: int = 0, stop: tuple[str, ...] = (),
         stream: bool = False, top_p: float = 1.0, top_k: int = 0, index: int = 0, logprobs: int | None = None,
-        prompt_logprobs: bool = False) -> Request:
+        prompt_logprobs: bool = False) -> Job:
     row = Row(tuple(ids), max_tokens, temperature, top_p, seed, tuple(stop), top_k, logprobs, prompt_logprobs)
-    return Request(row, index, Recorder(), TextStream(row.stop) if stream else None, f"job{index}")
+    return Job(row, stream, f"job{index}")
 
 
-def drive(engine: Engine, arrivals: dict[int, list[Request]], max_steps: int = 10_000,
-          on_step=None) -> int:
+def drive(engine: Engine, arrivals: dict[int, list[Job]], max_steps: int = 10_000, on_step=None,
+          metrics=None) -> int:
     """Submit arrivals[s] before step s; step until every job has ended or been cancelled (its client
-    left: nobody is answered). Returns the steps taken."""
+    left: nobody is answered). Returns the steps taken. metrics: an api/metrics.Metrics that records each step."""
     jobs = [j for js in arrivals.values() for j in js]
+    route = {j.client: j for j in jobs}
+    assert len(route) == len(jobs), "each job is its own client: give each an index of its own"
     step = 0
-    while any(j.emit.ended is None and not j.cancelled for j in jobs):
+    while any(j.ended is None and not j.cancelled for j in jobs):
         for j in arrivals.get(step, []):
-            assert engine.submit([j]) == "ok"
+            assert engine.submit(j.client, [j.row], j.stream) == "ok"
         if on_step is not None:
             on_step(step, engine)
-        engine.step()
+        out = engine.step()
+        if metrics is not None:
+            metrics.record(out.stats)
+        for event in out.events:
+            route[event.client].events.append(event)
         step += 1
         assert step < max_steps, "the engine did not finish its jobs"
     return step
@@ -63,15 +79,22 @@ def drive(engine: Engine, arrivals: dict[int, list[Request]], max_steps: int = 1
 ROOMY = Limits(16, 2048, 100_000)
 
 
+def tokens_of(ended: Finished | Failed | None) -> list[int]:
+    """A row's generated ids, from its end event (which must be its answer)."""
+    assert isinstance(ended, Finished), ended
+    return list(ended.result.tokens)
+
+
 def recorded(engine: Engine) -> list[Step]:
     """The steps the engine sends from now on, as it sends them."""
     sent: list[Step] = []
-    send = engine.channel.send
-    engine.channel.send = lambda step: (sent.append(step), send(step))[-1]
+    channel = engine.executor.channel
+    send = channel.send
+    channel.send = lambda step: (sent.append(step), send(step))[-1]
     return sent
 
 
-def a_long_prompt_beside_decoding_rows(engine: Engine) -> tuple[list[Request], Request]:
+def a_long_prompt_beside_decoding_rows(engine: Engine) -> tuple[list[Job], Job]:
     """Three 4-token prompts decode 20 tokens each; a 45-token prompt (4 new tokens) arrives at step 3."""
     g = torch.Generator().manual_seed(1)
     short = [job(torch.randint(0, 101, (4,), generator=g).tolist(), 20, index=i) for i in range(3)]
@@ -83,8 +106,9 @@ def a_long_prompt_beside_decoding_rows(engine: Engine) -> tuple[list[Request], R
 def engine_for(model, tokenizer, limits: Limits = ROOMY, max_queue: int = 256, caching: bool = True,
                block_size: int = 4, speculate: int = 0, attention: str = "sdpa") -> Engine:
     """tp 1: the engine `autotp serve` runs for this model."""
-    batch, planner = backend(model, probe(model), limits, block_size, caching, speculate=speculate, attention=attention)
-    return Engine(batch, tokenizer, Channel(), StopFlag(), limits, max_queue, planner=planner, speculate=speculate)
+    runner, scheduler = parts(model, probe(model), limits, block_size, caching, speculate=speculate,
+                              attention=attention)
+    return server.engine(model, tokenizer, runner, scheduler, Channel(), max_queue)
 
 
 def run_on_ranks(model, tokenizer, make_arrivals, limits: Limits = ROOMY, speculate: int = 0,
@@ -96,20 +120,19 @@ def run_on_ranks(model, tokenizer, make_arrivals, limits: Limits = ROOMY, specul
 
     channel = Channel()
     try:
-        shapes = probe(model)
-        batch, planner = backend(model, shapes, limits, 4, rank0=dist.get_rank() == 0, speculate=speculate)
+        runner, scheduler = parts(model, probe(model), limits, 4, rank0=dist.get_rank() == 0, speculate=speculate)
         if compile:
-            batch.compile()
-            batch.use_graph()
+            runner.compile()
+            runner.use_graph()
         if dist.get_rank() != 0:
-            assert follow(batch, channel, StopFlag()) == 0
+            assert follow(runner, channel, StopFlag()) == 0
             return None
-        engine = Engine(batch, tokenizer, channel, StopFlag(), limits, 256, planner=planner, speculate=speculate)
+        engine = server.engine(model, tokenizer, runner, scheduler, channel)
         arrivals = make_arrivals()
         with torch.inference_mode():
             drive(engine, arrivals)
-        channel.send(Step(stop=True))
-        return [(j.emit.ended, j.emit.streamed) for js in arrivals.values() for j in js]
+        engine.executor.stop()
+        return [(j.ended, j.streamed) for js in arrivals.values() for j in js]
     finally:
         channel.close()
 
@@ -124,8 +147,8 @@ def serve_rows(model_dir: str, tokenizer_dir: str, prompts: list[list[int]], spe
     model = autotp.from_pretrained(model_dir, check_inputs=False, quantize=quantize, group_size=group_size)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
 
-    def arrivals() -> dict[int, list[Request]]:
-        out: dict[int, list[Request]] = {}
+    def arrivals() -> dict[int, list[Job]]:
+        out: dict[int, list[Job]] = {}
         for i, (ids, (_, n, t, p, k, seed, at)) in enumerate(zip(prompts, spec, strict=True)):
             out.setdefault(at, []).append(job(ids, n, t, seed, top_p=p, top_k=k, index=i))
         return out
@@ -153,7 +176,7 @@ def failing_alike(model_dir: str, tokenizer_dir: str) -> list | None:
 
     model.model.register_forward_pre_hook(raise_once, with_kwargs=True)
 
-    def arrivals() -> dict[int, list[Request]]:
+    def arrivals() -> dict[int, list[Job]]:
         return {0: [job([5, 6, 7], 10, index=0), job([8, 9], 10, index=1)], 8: [job([5, 6, 7], 10, index=2)]}
 
     ended = run_on_ranks(model, tokenizer, arrivals)
@@ -216,26 +239,28 @@ def step_collectives(model_dir: str, tokenizer_dir: str) -> dict | None:
             model(torch.tensor([[5], [6]]), cache=cache)
         forward = counter.take()
     channel = Channel()
-    batch, planner = backend(model, probe(model), ROOMY, 4, rank0=dist_module().get_rank() == 0)
+    runner, scheduler = parts(model, probe(model), ROOMY, 4, rank0=dist_module().get_rank() == 0)
     if dist_module().get_rank() != 0:
-        assert follow(batch, channel, StopFlag()) == 0
+        assert follow(runner, channel, StopFlag()) == 0
         channel.close()
         return None
-    engine = Engine(batch, tokenizer, channel, StopFlag(), ROOMY, 256, planner=planner)
-    sent: list[Step] = []
-    send = channel.send
-    channel.send = lambda step: (sent.append(step), send(step))[-1]
+    engine = server.engine(model, tokenizer, runner, scheduler, channel)
+    sent = recorded(engine)
     jobs = [job([1, 2, 3], 12, index=0), job([4, 5], 12, index=1), job([6, 7, 8, 9], 6, index=2)]
-    steps = []
+    steps, route = [], {j.client: j for j in jobs}
+
+    def step() -> None:
+        for event in engine.step().events:
+            route[event.client].events.append(event)
+        steps.append((sent[-1].work, counter.take()))
+
     with torch.inference_mode(), CollectiveCounter() as counter:
         for i, j in enumerate(jobs):
             if i == 2:  # arrives while the first two decode: its step prefills and decodes
-                engine.step()
-                steps.append((sent[-1].work, counter.take()))
-            engine.submit([j])
-        while any(j.emit.ended is None for j in jobs):
-            engine.step()
-            steps.append((sent[-1].work, counter.take()))
-    channel.send(Step(stop=True))
+                step()
+            engine.submit(j.client, [j.row])
+        while any(j.ended is None for j in jobs):
+            step()
+    engine.executor.stop()
     channel.close()
     return {"forward": forward, "steps": steps}

@@ -8,6 +8,7 @@ output depends on every weight.
 
 from __future__ import annotations
 
+import checkpoints
 import torch
 from checkpoints import widen
 from safetensors.torch import save_file
@@ -82,6 +83,18 @@ def config(name: str):
 def build(name: str):
     torch.manual_seed(0)
     return widen(AutoModelForCausalLM.from_config(config(name), dtype=torch.float32).eval())
+
+
+def any_model(name: str):
+    """A test model by name: StarCoder's family as gpt_bigcode_<a checkpoints.CONFIGS name>, else a family of
+    FAMILIES."""
+    if name.startswith("gpt_bigcode_"):
+        return checkpoints.build(name.removeprefix("gpt_bigcode_"))
+    return build(name)
+
+
+# StarCoder's family (multi-query, 12 and 10 heads; multi-head) and every other family with a plan
+MODELS = [f"gpt_bigcode_{name}" for name in checkpoints.CONFIGS] + list(FAMILIES)
 
 
 def save(name: str, model, directory) -> None:

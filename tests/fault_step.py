@@ -17,6 +17,6 @@ if os.environ.get("RANK") == os.environ["AUTOTP_TEST_FAIL_RANK"]:
     def out_of_memory(self, step):
         raise RuntimeError(f"CUDA out of memory on rank {os.environ['RANK']} (injected)")
 
-    autotp.serve.runner.model_runner.PagedBatch._run = out_of_memory
+    autotp.serve.runner.model_runner.ModelRunner._run = out_of_memory
 
 sys.exit(main())

@@ -1,9 +1,9 @@
-"""`autotp serve` on a CPU that says it multiplies bfloat16 natively (runner/weight_form.native_bf16 patched), as
+"""`autotp serve` on a CPU that says it multiplies bfloat16 natively (startup/weight_form.native_bf16 patched), as
 an AMX or AVX512_BF16 machine would: what serve holds a float32 checkpoint in there."""
 
 import sys
 
-from autotp.serve.runner import weight_form
+from autotp.serve.startup import weight_form
 
 weight_form.native_bf16 = lambda: "AMX"
 

@@ -54,7 +54,7 @@ class Server:
         autotp serve` (tp 1), as a user starts it without torchrun. tp_flag: `python -m autotp serve --tp RANKS`,
         which starts its ranks itself, instead of torchrun. dtype: --dtype unless args give one (None: serve's own
         choice); float32 by default because the tests' checkpoints and their HF oracle are float32, and serve would
-        hold them in bfloat16 on a CPU with native bfloat16 products (runner/weight_form.py). wait False: started,
+        hold them in bfloat16 on a CPU with native bfloat16 products (startup/weight_form.py). wait False: started,
         and up() waits for it, so that servers a test needs together start at once (each start is mostly one
         core's imports)."""
         self.model_id, self.log, self.api_key = Path(model_dir).name if model_dir else "autotp-demo", log, api_key

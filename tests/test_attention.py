@@ -4,7 +4,8 @@ The oracle is a plain softmax(q k^T * scale + bias) v per row and query, in floa
 read from the pool by position through its block table, with the family's bias (ALiBi from the first or from
 the last key), sliding window and soft-cap written out here, not taken from the code under test. A step mixes
 decode rows, drafted rows and prefill chunks of different lengths, in multi-query, grouped-query and
-multi-head layouts. Both backends answer to it: sdpa (attention.py) and flex (flex.py, eager flex on CPU).
+multi-head layouts. Both backends answer to it: sdpa (attention/sdpa.py) and flex (attention/flex.py, eager flex on
+CPU).
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from autotp.serve.lockstep.wire import Work
-from autotp.serve.runner.attention import Alibi, attend
-from autotp.serve.runner.model_runner import describe
-from autotp.serve.runner.paged import KvPool
+from autotp.serve.lockstep.step import Work
+from autotp.serve.runner.attention.backends import BACKENDS
+from autotp.serve.runner.attention.step import Alibi, StepLayout, StepMeta, ship
+from autotp.serve.runner.kv_cache import KvPool
 
 BLOCK = 4
 # (start, tokens): decode rows, rows verifying a draft of 3, prefill chunks (one from position 0, one mid-prompt)
@@ -26,23 +27,36 @@ ROWS = [(9, 1), (2, 1), (17, 1), (5, 4), (12, 4), (0, 11), (6, 9), (0, 1)]
 SHORT = 4  # 1 + a draft of 3: decode and drafted rows share one call
 
 
+def describe(pool: KvPool, tables: list[list[int]], rows, backend: str) -> StepMeta:
+    """The step's description as the model runner builds it: the rows' layout, then the backend's own."""
+    layout = StepLayout(tables, torch.tensor([s for s, _ in rows]).numpy(), torch.tensor([n for _, n in rows]).numpy(),
+                        pool.block_size, pool.num_blocks)
+    arrays, build = BACKENDS[backend](SHORT).describe(layout)
+    slots, positions, *rest = ship([layout.slots, layout.positions, *arrays], "cpu")
+    return StepMeta(slots, positions, build(rest))
+
+
+def attend(query, keys, values, meta: StepMeta, scale=None, window=None, softcap=None, alibi=None) -> torch.Tensor:
+    """What a layer's attention does with the step's description (kv_cache.StepCache.attend)."""
+    return meta.attention.attend(query, keys, values, scale, window, softcap, alibi)
+
+
 def step(heads: int, kv: int, dim: int = 8, seed: int = 0, backend: str = "sdpa", rows=ROWS):
     """A pool with random keys and values, the rows' block tables (shuffled blocks), their new tokens' queries
-    and keys written to their slots as `PagedCache.update` does."""
+    and keys written to their slots as `StepCache.update` does."""
     g = torch.Generator().manual_seed(seed)
     pool = KvPool([(kv, dim, torch.float32)], num_blocks=64, block_size=BLOCK, device=torch.device("cpu"))
     pool.keys[0][:pool.slots] = torch.randn(pool.slots, kv, dim, generator=g)
     pool.values[0][:pool.slots] = torch.randn(pool.slots, kv, dim, generator=g)
     order = torch.randperm(64, generator=g).tolist()
-    tables, work = [], []
-    for row, (start, n) in enumerate(rows):
+    tables = []
+    for start, n in rows:
         blocks = -(-(start + n) // BLOCK)
         tables.append(order[:blocks])
         del order[:blocks]
-        work.append(Work(row, tuple(range(n)), start, (), True, n > 1))
-    meta, _ = describe(pool, tables, tuple(work), SHORT, "cpu", backend=backend)
+    meta = describe(pool, tables, rows, backend)
     tokens = sum(n for _, n in rows)
-    query = torch.randn(heads, tokens, dim, generator=g).transpose(0, 1)  # as PagedCache.attend passes it
+    query = torch.randn(heads, tokens, dim, generator=g).transpose(0, 1)  # as StepCache.attend passes it
     pool.keys[0].index_copy_(0, meta.slot_mapping, torch.randn(tokens, kv, dim, generator=g))
     pool.values[0].index_copy_(0, meta.slot_mapping, torch.randn(tokens, kv, dim, generator=g))
     return pool, tables, meta, query
@@ -95,7 +109,7 @@ def test_each_token_attends_to_its_own_rows_context_as_dense_attention_does(back
     got = attend(query, pool.keys[0], pool.values[0], meta, scale, alibi=alibi, **how)
     want = dense(pool, tables, query, scale, how.get("window"), how.get("softcap"),
                  slopes if alibi is not None else None, variant == "alibi-from-end")
-    assert len(meta.groups) == (2 if backend == "sdpa" else 0)
+    assert len(meta.attention.groups) == 2 if backend == "sdpa" else not hasattr(meta.attention, "groups")
     torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
 
 
@@ -107,7 +121,7 @@ def test_a_step_of_one_group_without_padding_attends_as_dense_attention_does(lay
     chunk): attend reads the layer's queries as they stand and returns the group's output as the layer's."""
     heads, kv = LAYOUTS[layout]
     pool, tables, meta, query = step(heads, kv, rows=rows)
-    (group,) = meta.groups
+    (group,) = meta.attention.groups
     assert group.real is None
     got = attend(query, pool.keys[0], pool.values[0], meta, 0.5, window=3)
     torch.testing.assert_close(got.double(), dense(pool, tables, query, 0.5, window=3, rows=rows), atol=2e-5,
@@ -132,25 +146,25 @@ def run_32_rows(attention: str, calls: TorchFunctionMode):
     verifying a draft of 4, two prefill chunks, under `calls`. -> the batch (its pool) and the layer count."""
     from families import build
 
-    from autotp.serve.engine.planner import Limits
-    from autotp.serve.lockstep.wire import Step
+    from autotp.serve.engine.scheduler import Limits
+    from autotp.serve.lockstep.step import Step
     from autotp.serve.runner.probe import probe
-    from autotp.serve.server import backend
+    from autotp.serve.server import parts
 
     model = build("llama")
-    batch, _ = backend(model, probe(model), Limits(64, 4096, 4096), block_size=4, rank0=False, speculate=4,
-                       attention=attention)
+    runner, _ = parts(model, probe(model), Limits(64, 4096, 4096), block_size=4, rank0=False, speculate=4,
+                      attention=attention)
     work, block = [], 0
     rows = [(30 + r, 1) for r in range(24)] + [(20 + r, 5) for r in range(8)] + [(0, 40), (16, 23)]
     for row, (start, n) in enumerate(rows):
         blocks = -(-(start + n) // 4)
-        work.append(Work(row, tuple(range(n)), start, tuple(range(block, block + blocks)), True, n > 1,
-                         4 if n == 5 else 0))
+        work.append(Work(id=row, tokens=tuple(range(n)), start=start, blocks=tuple(range(block, block + blocks)),
+                         sample=True, every=n > 1, draft=4 if n == 5 else 0))
         block += blocks
     with calls:
-        batch.apply(Step(work=tuple(work)))
-        batch.run(Step(work=tuple(work)))
-    return batch, model.config.num_hidden_layers
+        runner.apply(Step(work=tuple(work)))
+        runner.run(Step(work=tuple(work)))
+    return runner, model.config.num_hidden_layers
 
 
 def test_a_step_of_32_rows_with_drafts_and_two_prefill_chunks_costs_two_sdpa_calls_per_layer():
@@ -170,7 +184,7 @@ def test_a_step_of_32_rows_with_drafts_and_two_prefill_chunks_costs_two_sdpa_cal
 def test_the_same_step_costs_one_flex_call_per_layer_over_the_pool_in_place(monkeypatch):
     """One flex_attention call per layer for the whole step, no SDPA call; its keys and values are the layer's
     pool itself (same storage, the pool's 2 KV heads, every slot but the zero and scratch ones), not a copy."""
-    from autotp.serve.runner import flex
+    from autotp.serve.runner.attention import flex
 
     seen = []
 

@@ -173,10 +173,10 @@ def test_help_and_flag_errors_import_neither_torch_nor_transformers():
 
 def test_the_entry_points_resolve_on_first_use():
     import autotp
-    from autotp import api
+    from autotp import sharded
 
     assert (autotp.from_pretrained, autotp.init_inference, autotp.InferenceEngine) == (
-        api.from_pretrained, api.init_inference, api.InferenceEngine)
+        sharded.from_pretrained, sharded.init_inference, sharded.InferenceEngine)
     assert set(autotp.__all__) <= set(dir(autotp))
     with pytest.raises(AttributeError, match="no attribute 'from_pretrain'"):
         _ = autotp.from_pretrain

@@ -12,14 +12,14 @@ import sys
 import pytest
 import torch
 from checkpoints import word_tokenizer
-from engine_driver import ROOMY, drive, engine_for, job
+from engine_driver import ROOMY, drive, engine_for, job, tokens_of
+from families import any_model
 from pool import free_port
 from serve_harness import Server
-from test_continuous import build, tokens_of
 
 from autotp.generate import generate
 from autotp.serve.runner.compiled import bucket, decode_meta
-from autotp.serve.runner.paged import KvPool
+from autotp.serve.runner.kv_cache import KvPool
 
 DEMO = str(__import__("pathlib").Path(__import__("autotp").__file__).parent / "demo_model")
 
@@ -59,9 +59,10 @@ class EagerForwards:
 
 def test_padding_rows_write_the_scratch_slot_and_read_only_the_zero_slot():
     pool = KvPool([(1, 4, torch.float32)], num_blocks=8, block_size=4, device=torch.device("cpu"))
-    meta, rows = decode_meta(pool, [[3, 5], [6], [1, 2, 7]], [5, 2, 9], "cpu")
+    meta, rows, ids, _ = decode_meta(pool, [[3, 5], [6], [1, 2, 7]], [5, 2, 9], "cpu", [11, 12, 13])
     assert [bucket(n) for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8] and rows == 4
-    group, = meta.groups
+    assert ids.tolist() == [[11, 12, 13, 0]]
+    group, = meta.attention.groups
     assert group.slots.shape == (4, 16)  # 9 // 4 = block 2: four blocks of 4, a power of two
     assert meta.slot_mapping.tolist() == [5 * 4 + 1, 6 * 4 + 2, 7 * 4 + 1, pool.scratch]
     assert group.slots[0, :6].tolist() == [12, 13, 14, 15, 20, 21]
@@ -78,21 +79,21 @@ def test_the_compiled_step_gets_the_eager_tokens_and_runs_every_decode_step(name
     width from the cache: a shape, or every new width would run eager): greedy tokens equal eager's and HF
     generate's, log-probabilities within 1e-4 (the compiler reorders sums), the seeded row's tokens equal.
     Only the prefill steps run the model's Python: every decode step, at 1, 2 and 3 rows, took the graph."""
-    model = build(name)
+    model = any_model(name)
     ended = {}
     for compiled in (False, True):
         engine = engine_for(model, tokenizer, limits=ROOMY)
         if compiled:
-            assert engine.batch.compile() > 0
-            engine.batch.use_graph()
+            assert engine.executor.runner.compile() > 0
+            engine.executor.runner.use_graph()
             eager = EagerForwards(model)
         arrivals = _jobs()
         drive(engine, arrivals)
-        ended[compiled] = [j.emit.ended for js in arrivals.values() for j in js]
+        ended[compiled] = [j.ended for js in arrivals.values() for j in js]
     assert eager.count <= 4, f"{eager.count} forwards ran eager; only the 3 prefills should"
     for c, e in zip(ended[True], ended[False], strict=True):
         assert tokens_of(c) == tokens_of(e)
-    for c, e in zip(ended[True][0][2].logprobs, ended[False][0][2].logprobs, strict=True):
+    for c, e in zip(ended[True][0].result.logprobs, ended[False][0].result.logprobs, strict=True):
         assert c.logprob == pytest.approx(e.logprob, abs=1e-4)
     prompt = list(_jobs()[0][0].row.ids)
     assert tokens_of(ended[True][0]) == generate(model, torch.tensor([prompt]), max_new_tokens=30)[0, 5:].tolist()
@@ -124,7 +125,7 @@ def test_a_client_of_a_compiled_server_gets_the_unsharded_text(tmp_path):
         both = server.client.completions.create(model=server.model_id, prompt=seeded, max_tokens=16, temperature=0.8,
                                                 top_p=0.9, seed=9)  # one seed per prompt: 9 for both
         assert [c.text for c in sorted(both.choices, key=lambda c: c.index)] == [
-            tok.decode(tokens_of(j.emit.ended), skip_special_tokens=True) for j in alone]
+            tok.decode(tokens_of(j.ended), skip_special_tokens=True) for j in alone]
     finally:
         server.kill()
 
@@ -142,7 +143,7 @@ def _generate(tp: int, model_dir, *args: str, env: dict | None = None) -> subpro
 def test_generate_compile_at_tp2_prints_the_unsharded_tokens(tmp_path, no_compiler):
     """`torchrun --nproc-per-node 2 -m autotp generate --compile` on StarCoder's layout: rank 0 says the step
     compiled (or, without a C++ compiler, one warning that it runs eager), and the tokens are HF's unsharded."""
-    model = build("gpt_bigcode_mqa12")
+    model = any_model("gpt_bigcode_mqa12")
     model.save_pretrained(tmp_path / "model")
     prompt = [3, 17, 42, 8, 99, 51, 23]
     env = {"CXX": "/nonexistent/c++", "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
@@ -170,7 +171,7 @@ def test_a_compiler_that_fails_to_build_costs_generate_one_warning(tmp_path, cap
     cxx.write_text(FAILING_CXX)
     cxx.chmod(0o755)
     torch._dynamo.reset()  # no graph this process made earlier of the same forward may serve
-    model, prompt = build("gpt_bigcode_mqa12"), torch.tensor([[3, 17, 42, 8, 99]])
+    model, prompt = any_model("gpt_bigcode_mqa12"), torch.tensor([[3, 17, 42, 8, 99]])
     # not monkeypatch: setattr on inductor's config proxy deletes the option when undone
     with torch._inductor.config.patch({"cpp.cxx": (str(cxx),), "fx_graph_cache": False}):  # nor a cached one
         out = generate(model, prompt, max_new_tokens=12, compile=True)
@@ -192,15 +193,15 @@ def test_a_compile_that_fails_on_a_rank_still_runs_its_warm_up_eager(tokenizer, 
 
         return graph
 
-    model = build("gpt_bigcode_mqa12")
+    model = any_model("gpt_bigcode_mqa12")
     engine = engine_for(model, tokenizer, limits=ROOMY)
     eager = EagerForwards(model)
     monkeypatch.setattr(torch, "compile", failing)
     with pytest.raises(RuntimeError, match="internal compiler error"):
-        engine.batch.compile()
+        engine.executor.runner.compile()
     assert calls == [1] and eager.count == 2  # the graph tried once; both warm-up steps (1 and 2 rows) ran eager
     arrivals = _jobs()
     drive(engine, arrivals)
     prompt = list(arrivals[0][0].row.ids)
-    assert tokens_of(arrivals[0][0].emit.ended) == generate(model, torch.tensor([prompt]),
+    assert tokens_of(arrivals[0][0].ended) == generate(model, torch.tensor([prompt]),
                                                             max_new_tokens=30)[0, 5:].tolist()

@@ -1,4 +1,4 @@
-"""The context rule (autotp.generate.context_limit): --max-model-len, else the config's position limit, else the
+"""The context rule (autotp.context.context_limit): --max-model-len, else the config's position limit, else the
 tokenizer's model_max_length when it is real, else none; and what `autotp generate` says and refuses by it."""
 
 from types import SimpleNamespace
@@ -7,8 +7,8 @@ import pytest
 from checkpoints import word_tokenizer
 from families import FAMILIES, config
 
+from autotp.context import FROM_FLAG, FROM_TOKENIZER, context_limit
 from autotp.errors import AutotpError
-from autotp.generate import FROM_FLAG, FROM_TOKENIZER, context_limit
 
 # the field each family's config keeps its position limit in (GPT-2-style configs map max_position_embeddings
 # to n_positions); BLOOM has none

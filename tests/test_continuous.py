@@ -9,30 +9,20 @@ different steps; some prompts are longer than a chunk; there are more rows than 
 from __future__ import annotations
 
 import checkpoints
-import families
 import pytest
 import torch
 from checkpoints import word_tokenizer
-from engine_driver import drive, engine_for, job
+from engine_driver import drive, engine_for, job, tokens_of
+from families import MODELS, any_model
 
 from autotp.generate import generate
-from autotp.serve.engine.planner import Limits
+from autotp.serve.engine.scheduler import Limits
 
 # (prompt length, max_tokens, temperature, top_p, top_k, seed, arrival step): greedy and sampled rows,
 # two prompts longer than the 16-token chunk, six rows for four sequence slots
 SPEC = [(7, 12, 0.0, 1.0, 0, 0, 0), (3, 9, 0.9, 1.0, 0, 101, 0), (25, 8, 0.0, 1.0, 0, 0, 2),
         (11, 14, 1.1, 0.9, 20, 103, 4), (5, 6, 0.0, 1.0, 0, 0, 4), (30, 10, 0.7, 1.0, 0, 105, 7)]
 LIMITS = Limits(max_num_seqs=4, max_num_batched_tokens=16, kv_tokens=10_000)
-# StarCoder's family (multi-query, 12 and 10 heads; multi-head) and every other family with a plan
-MODELS = [f"gpt_bigcode_{name}" for name in checkpoints.CONFIGS] + list(families.FAMILIES)
-
-
-def build(name: str):
-    if name.startswith("gpt_bigcode_"):
-        return checkpoints.build(name.removeprefix("gpt_bigcode_"))
-    return families.build(name)
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """saved(name) -> the directory of that model's checkpoint, written once for the module."""
@@ -41,7 +31,7 @@ def saved(tmp_path_factory):
     def get(name: str) -> str:
         if name not in made:
             made[name] = str(tmp_path_factory.mktemp(name))
-            build(name).save_pretrained(made[name])
+            any_model(name).save_pretrained(made[name])
         return made[name]
 
     return get
@@ -76,20 +66,15 @@ def tokenizer(tmp_path_factory):
     return AutoTokenizer.from_pretrained(word_tokenizer(tmp_path_factory.mktemp("words")))
 
 
-def tokens_of(ended: tuple) -> list[int]:
-    assert ended[0] == "done", ended
-    return list(ended[2].tokens)
-
-
 @pytest.mark.parametrize("name", MODELS)
 def test_every_row_gets_the_tokens_it_gets_alone(name, tokenizer):
     """tp 1: sliding windows (mistral, gemma2: window 4), ALiBi, MoE, Conv1D, ... through join/leave/chunk."""
-    model = build(name)
+    model = any_model(name)
     jobs = arrivals()
     engine = engine_for(model, tokenizer, LIMITS)
     seen = []
-    drive(engine, jobs, on_step=lambda s, e: seen.append(len(e.batch.rows())))
-    assert [tokens_of(j.emit.ended) for js in jobs.values() for j in js] == alone(model)
+    drive(engine, jobs, on_step=lambda s, e: seen.append(len(e.executor.runner.requests())))
+    assert [tokens_of(j.ended) for js in jobs.values() for j in js] == alone(model)
     assert max(seen) == LIMITS.max_num_seqs, "the rows never ran together"
 
 
@@ -101,36 +86,37 @@ def test_sharded_rows_get_the_unsharded_tokens(pools, saved, tokenizer, name, tp
 
     ranks = pools(tp).run(serve_rows, saved(name), tokenizer.name_or_path, prompts(), SPEC, LIMITS)
     assert ranks[1:] == [None] * (tp - 1)
-    assert [tokens_of(e) for e in ranks[0]] == alone(build(name))
+    assert [tokens_of(e) for e in ranks[0]] == alone(any_model(name))
 
 
 def test_a_seeded_row_joining_a_busy_batch_midway_gets_its_text_alone(tokenizer):
     """The issue's test: the same sampled request alone, and arriving while five others decode."""
-    model = build("gpt_bigcode_mqa12")
+    model = any_model("gpt_bigcode_mqa12")
     ids = prompts()[3]
     lone = job(ids, 20, 0.8, seed=5, stream=True)
     drive(engine_for(model, tokenizer), {0: [lone]})
     late = job(ids, 20, 0.8, seed=5, stream=True, index=9)
     busy = {0: [job(p, 30, 1.0, seed=i, index=i) for i, p in enumerate(prompts()[:5])], 6: [late]}
     drive(engine_for(model, tokenizer), busy)
-    assert late.emit.ended[2].text == lone.emit.ended[2].text and late.emit.streamed == lone.emit.streamed
-    assert len(lone.emit.ended[2].tokens) == 20
+    assert late.result.text == lone.result.text and late.streamed == lone.streamed
+    assert len(lone.result.tokens) == 20
 
 
 def test_a_cancelled_row_leaves_at_the_next_step_and_frees_its_memory(tokenizer):
-    model = build("llama")
+    model = any_model("llama")
     engine = engine_for(model, tokenizer)
     jobs = [job([5, 6, 7], 30, index=i) for i in range(3)]
     rows = []
 
     def cancel_at_5(step, e):
-        rows.append(len(e.batch.rows()))
-        jobs[1].cancelled = jobs[1].cancelled or step == 5
+        rows.append(len(e.executor.runner.requests()))
+        if step == 5:
+            jobs[1].cancel(e)
 
     drive(engine, {0: jobs}, on_step=cancel_at_5)
     assert rows[5] == 3 and rows[6] == 2  # flagged before step 5: gone in step 5, memory with it
-    assert jobs[1].emit.ended is None  # nobody is answered whose client went away
-    assert tokens_of(jobs[0].emit.ended) == tokens_of(jobs[2].emit.ended)
+    assert jobs[1].ended is None  # nobody is answered whose client went away
+    assert tokens_of(jobs[0].ended) == tokens_of(jobs[2].ended)
 
 
 def test_every_step_costs_one_forward_and_one_broadcast(pools, saved, tokenizer):
@@ -151,7 +137,7 @@ def test_every_step_costs_one_forward_and_one_broadcast(pools, saved, tokenizer)
 
 def test_a_forward_that_raises_fails_its_rows_with_500_and_the_engine_goes_on(tokenizer):
     """The same error on every rank (here: the one rank) fails the rows of that forward; later rows run."""
-    model = build("llama")
+    model = any_model("llama")
     engine = engine_for(model, tokenizer)
     boom = {"armed": True}
     two_row_decode = (1, 2)  # the rows' tokens flattened into one input
@@ -168,10 +154,10 @@ def test_a_forward_that_raises_fails_its_rows_with_500_and_the_engine_goes_on(to
         drive(engine, {0: pair, 8: [later]})
     finally:
         hook.remove()
-    assert [j.emit.ended[0] for j in pair] == ["error", "error"]
-    assert pair[0].emit.ended[2] == (500, "generation failed: RuntimeError: injected failure")
+    assert [(j.ended.status, j.ended.message) for j in pair] == [(500, "generation failed: RuntimeError: injected "
+                                                                   "failure")] * 2
     x = torch.tensor([later.row.ids])
-    assert tokens_of(later.emit.ended) == generate(model, x, max_new_tokens=10)[0, 3:].tolist()
+    assert tokens_of(later.ended) == generate(model, x, max_new_tokens=10)[0, 3:].tolist()
 
 
 def test_ranks_that_fail_alike_with_their_own_messages_fail_the_rows_and_go_on(pools, saved, tokenizer):
@@ -182,18 +168,18 @@ def test_ranks_that_fail_alike_with_their_own_messages_fail_the_rows_and_go_on(p
     ranks = pools(2).run(failing_alike, saved("llama"), tokenizer.name_or_path)
     assert ranks[1] is None
     first, second, later = ranks[0]
-    message = (500, "generation failed: RuntimeError: out of memory on GPU 0")  # rank 0's words
-    assert first == ("error", 0, message) and second == ("error", 1, message)
+    message = "generation failed: RuntimeError: out of memory on GPU 0"  # rank 0's words
+    assert (first.status, first.message) == (second.status, second.message) == (500, message)
     x = torch.tensor([[5, 6, 7]])
-    assert tokens_of(later) == generate(build("llama"), x, max_new_tokens=10)[0, 3:].tolist()
+    assert tokens_of(later) == generate(any_model("llama"), x, max_new_tokens=10)[0, 3:].tolist()
 
 
 def test_rank_0s_failure_on_one_rows_log_probabilities_fails_that_row_only(tokenizer, monkeypatch):
     """Sampling and log-probabilities run on rank 0 alone, after the forward: what they raise (an allocation
     for a long prompt's scores) fails the rows that asked for them with 500; the others and the engine go on."""
-    import autotp.serve.engine.output as output_module
+    from autotp.serve.runner import next_tokens
 
-    model = build("llama")
+    model = any_model("llama")
     plain, asks = job([5, 6, 7], 10, index=0), job([8, 9], 10, index=1, logprobs=2)
     echo = job([5, 6, 7, 8], 10, index=2, prompt_logprobs=True, logprobs=0)
     later = job([5, 6, 7], 10, index=3)
@@ -201,12 +187,12 @@ def test_rank_0s_failure_on_one_rows_log_probabilities_fails_that_row_only(token
     def out_of_memory(*args):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
 
-    monkeypatch.setattr(output_module, "token_logprobs", out_of_memory)
+    monkeypatch.setattr(next_tokens, "logprob_rows", out_of_memory)
     drive(engine_for(model, tokenizer), {0: [plain, asks], 3: [echo], 6: [later]})
     expected = "generation failed: OutOfMemoryError: CUDA out of memory. Tried to allocate 1.00 GiB"
-    assert asks.emit.ended == ("error", 1, (500, expected)) and echo.emit.ended == ("error", 2, (500, expected))
+    assert [(j.ended.status, j.ended.message) for j in (asks, echo)] == [(500, expected)] * 2
     alone_ = generate(model, torch.tensor([[5, 6, 7]]), max_new_tokens=10)[0, 3:].tolist()
-    assert tokens_of(plain.emit.ended) == tokens_of(later.emit.ended) == alone_
+    assert tokens_of(plain.ended) == tokens_of(later.ended) == alone_
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])

@@ -123,7 +123,8 @@ def engine_events(emulate: bool, speculate: int = 4, leak: bool = False) -> list
     import autotp
     from autotp import distributed
     from autotp.cli import default_model
-    from autotp.serve.engine.planner import Limits
+    from autotp.serve.engine.scheduler import Limits
+    from autotp.serve.types import Failed, Finished
 
     with emulated_cuda() if emulate else contextlib.nullcontext():
         model = autotp.from_pretrained(default_model(), device=None if emulate else "cpu", check_inputs=False)
@@ -137,10 +138,10 @@ def engine_events(emulate: bool, speculate: int = 4, leak: bool = False) -> list
                     2: [job(prompt, 6, index=2, logprobs=1, prompt_logprobs=True),
                         job([5, 6, 7], 8, temperature=1.0, top_k=5, seed=1, index=3)]}
 
-        from autotp.serve.runner import paged
+        from autotp.serve.runner import kv_cache
 
         if leak:
-            made = paged.KvPool.__init__
+            made = kv_cache.KvPool.__init__
 
             def cpu_first_layer(self, *args, **kwargs):
                 made(self, *args, **kwargs)
@@ -148,14 +149,15 @@ def engine_events(emulate: bool, speculate: int = 4, leak: bool = False) -> list
 
         with pytest.MonkeyPatch.context() as m:
             if leak:
-                m.setattr(paged.KvPool, "__init__", cpu_first_layer)
+                m.setattr(kv_cache.KvPool, "__init__", cpu_first_layer)
             ended = run(model, tokenizer, arrivals, Limits(16, 2048, 4096), speculate)
     if ended is None:
         return None
     assert distributed.rank() == 0
-    return [(e[0], e[2] if e[0] == "error" else (e[2].text, e[2].tokens, e[2].finish_reason), s) for e, s in ended] \
-        + [[(lp.id, lp.logprob) for lp in e[2].logprobs + e[2].prompt_logprobs if lp is not None]
-           for e, _ in ended if e[0] == "done"]
+    done = [e.result for e, _ in ended if isinstance(e, Finished)]
+    return [(type(e).__name__, (e.status, e.message) if isinstance(e, Failed) else
+             (e.result.text, e.result.tokens, e.result.finish_reason), s) for e, s in ended] \
+        + [[(lp.id, lp.logprob) for lp in r.logprobs + r.prompt_logprobs if lp is not None] for r in done]
 
 
 def same_events(got: list, want: list) -> bool:
@@ -179,25 +181,25 @@ def run(model, tokenizer, arrivals, limits, speculate: int) -> list | None:
     engine, jobs = engine_for(model, tokenizer, limits, block_size=4, speculate=speculate), arrivals()
     with torch.inference_mode():
         drive(engine, jobs)
-    return [(j.emit.ended, j.emit.streamed) for js in jobs.values() for j in js]
+    return [(j.ended, j.streamed) for js in jobs.values() for j in js]
 
 
 def test_the_serve_engine_at_tp_1_gives_cpus_tokens_on_emulated_cuda():
     cpu = engine_events(emulate=False)
-    assert all(e[0] == "done" for e in cpu[:4])
+    assert all(e[0] == "Finished" for e in cpu[:4])
     assert same_events(engine_events(emulate=True), cpu)
 
 
 def test_a_cpu_kv_pool_is_caught_by_the_engine():
     # the negative control of the engine: the step fails its rows (500), as the same mistake would on a GPU
     events = engine_events(emulate=True, leak=True)
-    assert [e[0] for e in events[:4]] == ["error"] * 4
+    assert [e[0] for e in events[:4]] == ["Failed"] * 4
     assert "cuda:0 and cpu" in str(events[0][1])
 
 
 def test_the_serve_engine_at_tp_2_gives_cpus_tokens_on_emulated_cuda(pools):
     cpu = pools(2).run(engine_events, False, timeout=120)
-    assert cpu[1] is None and all(e[0] == "done" for e in cpu[0][:4])
+    assert cpu[1] is None and all(e[0] == "Finished" for e in cpu[0][:4])
     cuda = pools(2).run(engine_events, True, timeout=120)
     assert cuda[1] is None and same_events(cuda[0], cpu[0])
 
@@ -228,11 +230,11 @@ def test_int4_on_an_emulated_older_gpu_is_refused_before_loading():
         args.func(args)
 
 
-def test_sampling_a_step_waits_for_the_device_once():
-    """Rank 0's sampling of a step (output.take): one host sync for all its plain rows, greedy and seeded alike
-    (it was 2 + 2 per sampled row: 8 here), and one per row that ran a draft (it was 2 + 2 per column drawn
-    for a seeded row), counted as the emulation sees them: every .tolist(), .item() and copy to the host of a
-    cuda tensor."""
+def test_a_step_waits_for_the_device_once():
+    """A step of the serve engine, greedy and seeded rows, with and without log-probabilities, plain and verifying
+    drafts, waits for the device once: its tokens, their log-probabilities and the drafts' verdicts read back in one
+    host sync (it was 2 + 2 per sampled row, then one per drafted row and one more for log-probabilities), counted
+    as the emulation sees them: every .tolist(), .item() and copy to the host of a cuda tensor."""
     from engine_driver import drive, engine_for, job
     from transformers import AutoTokenizer
 
@@ -243,29 +245,29 @@ def test_sampling_a_step_waits_for_the_device_once():
         model = autotp.from_pretrained(default_model(), check_inputs=False)
         tokenizer = AutoTokenizer.from_pretrained(default_model())
         prompt = tokenizer(SOURCE).input_ids
-        plain = [job(prompt[:9], 6, index=0), job(prompt[:7], 6, temperature=0.8, seed=1, index=1),
+        plain = [job(prompt[:9], 6, index=0), job(prompt[:7], 6, temperature=0.8, seed=1, index=1, logprobs=2),
                  job(prompt[:8], 6, temperature=1.0, top_k=5, top_p=0.9, seed=2, index=2),
-                 job(prompt[:6], 6, temperature=0.5, seed=3, index=3)]
-        drafting = [job(prompt, 16, index=4), job(prompt, 16, temperature=0.1, seed=4, index=5)]
+                 job(prompt[:6], 6, temperature=0.5, seed=3, index=3, logprobs=0)]
+        drafting = [job(prompt, 16, index=4, logprobs=1), job(prompt, 16, temperature=0.1, seed=4, index=5),
+                    job(prompt[:12], 6, index=6, prompt_logprobs=True, logprobs=0)]
         counts = {}
         for speculate, rows in ((0, plain), (4, drafting)):
             engine = engine_for(model, tokenizer, speculate=speculate)
-            take, steps = engine.output.take, []
+            run, steps = engine.executor.runner.run, []
 
-            def counted(scores, take=take, steps=steps):
+            def counted(step, run=run, steps=steps):
                 before = sum(rules.syncs.values())
-                kept = take(scores)
-                steps.append((len(scores.spans), sum(rules.syncs.values()) - before, len(kept)))
-                return kept
+                result = run(step)
+                steps.append((sum(w.draft > 0 for w in step.work), sum(rules.syncs.values()) - before))
+                return result
 
-            engine.output.take = counted
+            engine.executor.runner.run = counted
             with torch.inference_mode():
                 drive(engine, {0: rows})
-            assert all(r.emit.ended[0] == "done" for r in rows)
+            assert all(r.ended.result.tokens for r in rows)
             counts[speculate] = steps
-    assert counts[0] == [(4, 1, 0)] * 6, counts[0]
-    drafted = [(spans, syncs, kept) for spans, syncs, kept in counts[4] if kept]
-    assert drafted and all(syncs == kept + (spans > kept) for spans, syncs, kept in drafted), counts[4]
+    assert counts[0] == [(0, 1)] * 6, counts[0]
+    assert any(drafted for drafted, _ in counts[4]) and all(syncs == 1 for _, syncs in counts[4]), counts[4]
 
 
 def test_the_kv_cache_on_cuda_leaves_the_largest_steps_activations_and_what_is_in_use(capsys):
@@ -277,9 +279,10 @@ def test_the_kv_cache_on_cuda_leaves_the_largest_steps_activations_and_what_is_i
     import autotp
     from autotp import distributed
     from autotp.cli import default_model
-    from autotp.serve import server
     from autotp.serve.lockstep.wire import Channel
-    from autotp.serve.runner import budget
+    from autotp.serve.options import ServeOptions
+    from autotp.serve.runner.attention.sdpa import Sdpa
+    from autotp.serve.startup import budget
 
     with emulated_cuda():
         assert budget.free_bytes(torch.device("cuda", 0), 0.9, 2**30) == int(0.9 * MEMORY.total) - (
@@ -288,9 +291,9 @@ def test_the_kv_cache_on_cuda_leaves_the_largest_steps_activations_and_what_is_i
         net = autotp.from_pretrained(default_model(), check_inputs=False)
         assert budget.step_peak(net, 64) == MEMORY.peak - MEMORY.peak // 2
         env, channel = distributed.init(), Channel()
-        opts = server.ServeOptions(max_num_seqs=16, max_num_batched_tokens=64)
-        parts = server._backend(net, channel, env, opts, max_model_len=256)
-    assert parts.limits.kv_tokens == 16 * 256
+        opts = ServeOptions(max_num_seqs=16, max_num_batched_tokens=64)
+        cache = budget.size(net, channel, env.rank, env.device, opts, 256, Sdpa)
+    assert cache.tokens == 16 * 256
     said = capsys.readouterr().err
     assert "KV cache: 4096 tokens per rank" in said and ("sized by 16 sequences (--max-num-seqs) x 256 tokens of "
                                                          "context, within 90% of the GPU's memory") in said, said
@@ -306,18 +309,18 @@ def test_the_steps_host_sync_is_inside_the_watchdogs_window():
     from autotp.cli import default_model
 
     events: list[str] = []
-    with emulated_cuda():
+    with emulated_cuda() as rules:
         model = autotp.from_pretrained(default_model(), check_inputs=False)
         engine = engine_for(model, AutoTokenizer.from_pretrained(default_model()))
-        begin, end, take = engine.watchdog.begin, engine.watchdog.end, engine.output.take
-        engine.watchdog.begin = lambda step: (events.append("begin"), begin(step))[1]
-        engine.watchdog.end = lambda: (events.append("end"), end())[1]
-        engine.output.take = lambda scores: (events.append("take"), take(scores))[1]
+        watchdog = engine.executor.watchdog
+        begin, end, sync = watchdog.begin, watchdog.end, rules.sync
+        watchdog.begin = lambda step: (events.append("begin"), begin(step))[1]
+        watchdog.end = lambda: (events.append("end"), end())[1]
         with pytest.MonkeyPatch.context() as m:
-            m.setattr(torch.cuda, "synchronize", lambda device=None: events.append("sync"))
+            m.setattr(rules, "sync", lambda what: (events.append("sync"), sync(what))[1])
             with torch.inference_mode():
                 drive(engine, {0: [job([5, 6, 7], 4)]})
-    assert events == ["begin", "sync", "end", "take"] * 4, events
+    assert events == ["begin", "sync", "end"] * 4, events
 
 
 def test_the_gpu_benchmark_runs_its_eager_systems_under_the_emulation(monkeypatch, tmp_path, capsys):

@@ -9,14 +9,17 @@ from __future__ import annotations
 import pytest
 import torch
 from checkpoints import word_tokenizer
-from engine_driver import drive, engine_for, job
+from engine_driver import drive, engine_for, job, tokens_of
+from families import any_model
 from serve_harness import Server
-from test_continuous import build, tokens_of
 
 from autotp.errors import AutotpError
 from autotp.generate import generate
-from autotp.serve.engine.planner import Limits
-from autotp.serve.runner import flex
+from autotp.serve.engine.scheduler import Limits
+from autotp.serve.runner.attention import flex
+from autotp.serve.runner.attention.backends import choose
+from autotp.serve.runner.attention.flex import Flex
+from autotp.serve.runner.attention.sdpa import Sdpa
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +36,7 @@ def test_the_engine_under_flex_gives_hf_generates_greedy_tokens(name, tokenizer)
     from the first is in test_attention.py): two rows decoding while a 13-token prompt arrives (decode rows and a
     prefill chunk in one step), then that prompt extended, served partly from the prefix cache. Every row's
     tokens are HF generate's of its prompt alone. Few steps: eager flex on CPU is slow (~0.1 s a call here)."""
-    model = build(name)
+    model = any_model(name)
     # a pool of 512 slots: eager flex (CPU) scores every query against the whole pool
     engine = engine_for(model, tokenizer, Limits(16, 2048, 512), attention="flex")
     g = torch.Generator().manual_seed(1)
@@ -42,8 +45,8 @@ def test_the_engine_under_flex_gives_hf_generates_greedy_tokens(name, tokenizer)
     again = job([*rows[2].row.ids, 7, 8], 4, index=3)
     drive(engine, {0: [again]})
     for j in [*rows, again]:
-        want = generate(model, torch.tensor([j.row.ids]), max_new_tokens=len(tokens_of(j.emit.ended)))
-        assert tokens_of(j.emit.ended) == want[0, len(j.row.ids):].tolist()
+        want = generate(model, torch.tensor([j.row.ids]), max_new_tokens=len(tokens_of(j.ended)))
+        assert tokens_of(j.ended) == want[0, len(j.row.ids):].tolist()
 
 
 def test_autotp_serve_with_attention_flex_says_so_and_answers_as_hf(tmp_path):
@@ -71,11 +74,19 @@ def test_autotp_serve_with_attention_flex_says_so_and_answers_as_hf(tmp_path):
 
 def test_the_backend_is_refused_in_one_line_where_it_cannot_serve(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert flex.choose("flex", cpu, 12) == "flex" and flex.choose("sdpa", cuda, 12) == "sdpa"
+    assert choose("flex", cpu, 12) is Flex and choose("sdpa", cuda, 12) is Sdpa
     with pytest.raises(AutotpError, match="^--attention flex on CUDA needs --block-size a power of two of at least "
                                           "16, not 24$"):
-        flex.choose("flex", cuda, 24)
+        choose("flex", cuda, 24)
     monkeypatch.setattr(flex, "flex_attention", None)  # a torch before 2.5
     with pytest.raises(AutotpError, match=r"^--attention flex needs torch.nn.attention.flex_attention, which torch "
                                           r"\S+ lacks \(2.5 or later\): use --attention sdpa$"):
-        flex.choose("flex", cpu, 16)
+        choose("flex", cpu, 16)
+
+
+def test_the_command_line_offers_every_backend_of_the_table_and_the_default_first():
+    """cli.py names the backends without importing torch (for --help): the names are the table's, in its order."""
+    from autotp import cli
+    from autotp.serve.runner.attention.backends import BACKENDS
+
+    assert cli.ATTENTION == tuple(BACKENDS)

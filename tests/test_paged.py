@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 from checkpoints import word_tokenizer
-from engine_driver import a_long_prompt_beside_decoding_rows, drive, engine_for, job, recorded
-from test_continuous import build, tokens_of
+from engine_driver import a_long_prompt_beside_decoding_rows, drive, engine_for, job, recorded, tokens_of
+from families import any_model
 
 from autotp.generate import generate
 from autotp.serve.engine.blocks import BlockPool
-from autotp.serve.engine.planner import Limits, PagedPlanner
+from autotp.serve.engine.scheduler import Limits
 
 
 @pytest.fixture(scope="module")
@@ -130,79 +130,37 @@ def test_a_lookup_within_a_block_compares_the_blocks_indexed_last_and_a_bounded_
 def test_a_chat_turn_after_a_completion_computes_from_where_the_completion_stopped(tokenizer):
     """Turn 2 sends turn 1's prompt and completion and a few tokens more (a chat's next message): the completion's
     last, partly filled block is copied, so only its last (never computed) token and the new ones are computed, and
-    the text and log-probabilities are what an engine without a cache gives. Then with a pool so full that the
+    the text and log-probabilities are what an engine without a cache gives: with the whole answer continued (its
+    last token was sampled, never fed back: its keys and values are not in the block, and a block that claimed them
+    would hand the next turn a stale key), with the answer's last token replaced, and with a pool so full that the
     block taken for the copy is the copied block itself."""
-    model = build("llama")
+    model = any_model("llama")
     g = torch.Generator().manual_seed(6)
     prompt = torch.randint(0, 101, (10,), generator=g).tolist()
-    for kv_tokens, more in ((64, [5, 9, 33]), (16, [])):
+    for kv_tokens, whole, more in ((64, True, [5, 9, 33]), (64, False, [5, 9, 33]), (16, False, [])):
         engine = engine_for(model, tokenizer, limits=Limits(4, 64, kv_tokens))
         turn = job(prompt, 6, index=0)
-        drive(engine, {0: [turn]})
-        engine.step()  # it leaves: 3 full blocks and 3 computed tokens of a fourth kept
-        completion = tokens_of(turn.emit.ended)
-        second = prompt + completion[:5] + (more or [(completion[5] + 1) % 101])
+        drive(engine, {0: [turn]})  # it leaves: 3 full blocks and 3 computed tokens of a fourth kept
+        completion = tokens_of(turn.ended)
+        second = prompt + (completion if whole else completion[:5]) + (more or [(completion[5] + 1) % 101])
         sent = recorded(engine)
         again = job(second, 4 if more else 1, logprobs=1, index=1)
         drive(engine, {0: [again]})
         first = sent[0].work[0]
-        assert first.start == 15 and first.copy[2] == 3, first
+        assert first.start == 15 and first.copy[2] == 3, first  # from the answer's last token on
         if not more:  # the only block left was the one copied from
             assert first.copy[0] == first.copy[1]
         x = torch.tensor([second])
-        assert tokens_of(again.emit.ended) == generate(model, x, max_new_tokens=len(tokens_of(again.emit.ended)))[
+        assert tokens_of(again.ended) == generate(model, x, max_new_tokens=len(tokens_of(again.ended)))[
             0, len(second):].tolist()
         with torch.no_grad():
-            scores = model(torch.tensor([second + tokens_of(again.emit.ended)])).logits[0].log_softmax(-1)
-        want = [scores[len(second) - 1 + i, t].item() for i, t in enumerate(tokens_of(again.emit.ended))]
-        assert [e.logprob for e in again.emit.ended[2].logprobs] == pytest.approx(want, abs=1e-4)
-
-
-def plan_tokens(planner, rows, waiting, admitted):
-    step = planner.plan(rows, (), waiting, lambda i: admitted.append(i) or 100 + len(admitted) - 1)
-    return step.work
-
-
-def test_a_prompt_extending_a_cached_one_computes_only_its_new_blocks_and_always_its_last_token():
-    pool = BlockPool(16, 4)
-    planner = PagedPlanner(pool, Limits(4, 64, 64))
-    cached = list(range(1, 13))  # three full blocks
-    blocks = held(pool, cached)
-    work = plan_tokens(planner, {}, [(tuple(cached + [13, 14]), 5, False)], [])
-    row, ids, start, blocks, sample, every, *_ = work[0]
-    assert (start, ids, sample, every) == (12, (13, 14), True, False) and len(blocks) == 4  # 3 shared + 1 new
-    assert work[0].copy == ()  # nothing known after the third block
-    # the same 12 tokens again: the third block is not taken whole, its last token gives the first new one; its
-    # first three keys and values are copied into the row's own block
-    work = plan_tokens(planner, {}, [(tuple(cached), 5, False)], [])
-    assert work[0].start == 11 and work[0].tokens == (12,)
-    assert work[0].copy == (blocks[2], work[0].blocks[2], 3)
-    # a row that wants its prompt's log-probabilities computes everything
-    work = plan_tokens(planner, {}, [(tuple(cached), 5, True)], [])
-    assert work[0].start == 0 and work[0].every
-
-
-def test_admission_waits_for_blocks_first_come_first_served_and_running_rows_decode_every_step():
-    pool = BlockPool(6, 4)
-    planner = PagedPlanner(pool, Limits(4, 8, 24))
-    admitted: list[int] = []
-    # 10 + 6 tokens: 4 blocks for its life; the second (4 + 8: 3 blocks) would need 7 of 6: it waits
-    work = plan_tokens(planner, {}, [(tuple(range(10)), 7, False), (tuple(range(50, 54)), 9, False)], admitted)
-    assert admitted == [0] and [(w.row, len(w.tokens)) for w in work] == [(100, 8)]  # the 8-token budget
-    planner.ran(planner_step(work), {100: (tuple(range(10)), [])})
-    rows = {100: (tuple(range(10)), [])}
-    work = plan_tokens(planner, rows, [(tuple(range(50, 54)), 9, False)], admitted)
-    assert [(w.row, w.tokens, w.start) for w in work] == [(100, (8, 9), 8)] and admitted == [0]
-
-
-def planner_step(work):
-    from autotp.serve.lockstep.wire import Step
-
-    return Step(work=tuple(work))
+            scores = model(torch.tensor([second + tokens_of(again.ended)])).logits[0].log_softmax(-1)
+        want = [scores[len(second) - 1 + i, t].item() for i, t in enumerate(tokens_of(again.ended))]
+        assert [e.logprob for e in again.result.logprobs] == pytest.approx(want, abs=1e-4)
 
 
 def test_a_steps_tokens_stay_within_the_budget_and_every_running_row_computes_in_every_step(tokenizer):
-    model = build("llama")
+    model = any_model("llama")
     limits = Limits(max_num_seqs=4, max_num_batched_tokens=8, kv_tokens=10_000)
     engine = engine_for(model, tokenizer, limits)
     sent = recorded(engine)
@@ -212,21 +170,23 @@ def test_a_steps_tokens_stay_within_the_budget_and_every_running_row_computes_in
               if len(w.tokens) > 1 and len(w.tokens) != 4]
     assert chunks == [(5, 3)] * 9  # 45 tokens: 9 chunks of 5 beside the 3 rows' decodes, in the same forward
     x = torch.tensor([long.row.ids])
-    assert tokens_of(long.emit.ended) == generate(model, x, max_new_tokens=4)[0, 45:].tolist()
+    assert tokens_of(long.ended) == generate(model, x, max_new_tokens=4)[0, 45:].tolist()
 
 
 def test_the_blocks_are_never_overcommitted_and_admission_waits_for_room(tokenizer):
-    model = build("llama")
+    model = any_model("llama")
     limits = Limits(max_num_seqs=8, max_num_batched_tokens=64, kv_tokens=96)  # 24 blocks of 4
     engine = engine_for(model, tokenizer, limits, caching=False)
     used, together = [], []
     g = torch.Generator().manual_seed(2)
     jobs = [job(torch.randint(0, 101, (10,), generator=g).tolist(), 20, index=i) for i in range(6)]
-    drive(engine, {0: jobs}, on_step=lambda s, e: (used.append(e.kv_used()), together.append(e.counts()[0])))
+    update = engine.scheduler.update  # the blocks held when each step comes back, before its finished rows leave
+    engine.scheduler.update = lambda step, ran=True: (used.append(engine.scheduler.kv_used()), update(step, ran))
+    drive(engine, {0: jobs}, on_step=lambda s, e: together.append(e.load().running))
     # 10 + 19 tokens need 8 blocks: 3 rows fit, a fourth waits; the 3 fill all 24 blocks (96 slots) at their end
     assert max(together) == 3 and max(used) == 96
     for j in jobs:
-        assert tokens_of(j.emit.ended) == generate(model, torch.tensor([j.row.ids]), max_new_tokens=20)[0, 10:].tolist()
+        assert tokens_of(j.ended) == generate(model, torch.tensor([j.row.ids]), max_new_tokens=20)[0, 10:].tolist()
 
 
 @pytest.mark.parametrize("name", ["gpt_bigcode_mqa12", "llama", "mistral", "gpt2", "qwen2_moe", "bloom", "mpt",
@@ -236,7 +196,7 @@ def test_a_prompt_served_from_cached_blocks_gets_the_tokens_and_scores_it_gets_c
     from the last: MPT), Falcon's rotary layouts, Gemma 2's soft-capping: the editor's pattern, a prompt then
     the same prompt with a few tokens more, against the second prompt on an engine without a cache, and the
     log-probabilities against the model's own log-softmax over the whole text."""
-    model = build(name)
+    model = any_model(name)
     g = torch.Generator().manual_seed(4)
     first = torch.randint(0, 101, (21,), generator=g).tolist()
     second = first + [5, 9, 33]
@@ -250,32 +210,32 @@ def test_a_prompt_served_from_cached_blocks_gets_the_tokens_and_scores_it_gets_c
     assert sent[0].work[0].start == 21 and sent[0].work[0].copy[2] == 1
     cold = job(second, 12, logprobs=3, index=1)
     drive(engine_for(model, tokenizer, caching=False), {0: [cold]})
-    warm.step()  # the finished row leaves: every block released, the cache kept
-    assert warm.planner.seqs == {} and warm.planner.pool.used() == 0
-    assert tokens_of(again.emit.ended) == tokens_of(cold.emit.ended)
+    # the finished row has left: every block released, the cache kept
+    assert warm.scheduler.running == {} and warm.scheduler.pool.used() == 0
+    assert tokens_of(again.ended) == tokens_of(cold.ended)
     x = torch.tensor([second])
-    assert tokens_of(cold.emit.ended) == generate(model, x, max_new_tokens=12)[0, 24:].tolist()
-    for a, c in zip(again.emit.ended[2].logprobs, cold.emit.ended[2].logprobs, strict=True):
+    assert tokens_of(cold.ended) == generate(model, x, max_new_tokens=12)[0, 24:].tolist()
+    for a, c in zip(again.result.logprobs, cold.result.logprobs, strict=True):
         assert a.logprob == pytest.approx(c.logprob, abs=1e-4)
         assert [t for t, _ in a.top] == [t for t, _ in c.top]
-    text = second + tokens_of(again.emit.ended)
+    text = second + tokens_of(again.ended)
     with torch.no_grad():
         scores = model(torch.tensor([text])).logits[0].log_softmax(-1)
-    want = [scores[23 + i, t].item() for i, t in enumerate(tokens_of(again.emit.ended))]
-    assert [e.logprob for e in again.emit.ended[2].logprobs] == pytest.approx(want, abs=1e-4)
+    want = [scores[23 + i, t].item() for i, t in enumerate(tokens_of(again.ended))]
+    assert [e.logprob for e in again.result.logprobs] == pytest.approx(want, abs=1e-4)
 
 
 def test_the_editor_pattern_reuses_a_cancelled_prompts_blocks(tokenizer):
     """A prompt cancelled mid-generation (the user typed), then the same prompt plus three tokens: its
     blocks were kept, the new request computes only what changed, and its seeded text is the cold one."""
-    model = build("gpt_bigcode_mqa12")
+    model = any_model("gpt_bigcode_mqa12")
     engine = engine_for(model, tokenizer)
     sent = recorded(engine)
     g = torch.Generator().manual_seed(5)
     prompt = torch.randint(0, 101, (30,), generator=g).tolist()
     typing = job(prompt, 40, 0.8, seed=3, index=0)
-    drive(engine, {0: [typing]}, on_step=lambda s, e: setattr(typing, "cancelled", typing.cancelled or s == 4))
-    assert typing.emit.ended is None
+    drive(engine, {0: [typing]}, on_step=lambda s, e: typing.cancel(e) if s == 4 else None)
+    assert typing.ended is None
     sent.clear()
     after = job(prompt + [7, 7, 8], 10, 0.8, seed=3, index=1)
     drive(engine, {0: [after]})
@@ -285,11 +245,11 @@ def test_the_editor_pattern_reuses_a_cancelled_prompts_blocks(tokenizer):
     assert first.start == 30 and first.tokens == (7, 7, 8) and first.copy[2] == 2
     cold = job(prompt + [7, 7, 8], 10, 0.8, seed=3, index=1)
     drive(engine_for(model, tokenizer, caching=False), {0: [cold]})
-    assert after.emit.ended[2].text == cold.emit.ended[2].text
+    assert after.result.text == cold.result.text
 
 
 def test_prompt_log_probabilities_are_computed_in_full_beside_rows_served_from_the_cache(tokenizer):
-    model = build("llama")
+    model = any_model("llama")
     prompt = list(range(3, 20))
     engine = engine_for(model, tokenizer)
     drive(engine, {0: [job(prompt, 4, index=0)]})
@@ -297,7 +257,7 @@ def test_prompt_log_probabilities_are_computed_in_full_beside_rows_served_from_t
     drive(engine, {0: [echo]})
     cold = job(prompt, 4, index=1, prompt_logprobs=True, logprobs=0)
     drive(engine_for(model, tokenizer, caching=False), {0: [cold]})
-    got, want = echo.emit.ended[2].prompt_logprobs, cold.emit.ended[2].prompt_logprobs
+    got, want = echo.result.prompt_logprobs, cold.result.prompt_logprobs
     assert len(got) == len(prompt) and got[0] is None
     assert [e.logprob for e in got[1:]] == pytest.approx([e.logprob for e in want[1:]], abs=1e-5)
     scores = model(torch.tensor([prompt])).logits[0].log_softmax(-1)
@@ -311,19 +271,19 @@ def test_a_cached_block_under_another_parent_is_not_served(tokenizer):
     log-probabilities: the model's own log-softmax over A + D and the tokens generated; prefix hits: A's."""
     from autotp.serve.api.metrics import Metrics
 
-    model = build("llama")
+    model = any_model("llama")
     g = torch.Generator().manual_seed(6)
     a, b, c, d = (torch.randint(0, 101, (8,), generator=g).tolist() for _ in range(4))  # 2 blocks of 4 each
     engine = engine_for(model, tokenizer)
     drive(engine, {0: [job(a + c + [1], 4, index=0), job(b + d + [1], 4, index=1)]})
-    engine.metrics = Metrics(lambda: 0, lambda: 0, lambda: 0.0)
+    metrics = Metrics(engine.load)
     served = job(a + d + [1], 8, logprobs=2, index=2)
-    drive(engine, {0: [served]})
-    assert engine.metrics.prefix_hits._value.get() == len(a)  # A's blocks, and not D's
+    drive(engine, {0: [served]}, metrics=metrics)
+    assert metrics.prefix_hits._value.get() == len(a)  # A's blocks, and not D's
     prompt = a + d + [1]
     want = generate(model, torch.tensor([prompt]), max_new_tokens=8)[0, len(prompt):].tolist()
-    assert tokens_of(served.emit.ended) == want
+    assert tokens_of(served.ended) == want
     with torch.no_grad():
         scores = model(torch.tensor([prompt + want])).logits[0, len(prompt) - 1:-1].log_softmax(-1)
-    got = [e.logprob for e in served.emit.ended[2].logprobs]
+    got = [e.logprob for e in served.result.logprobs]
     assert got == pytest.approx([scores[i, t].item() for i, t in enumerate(want)], abs=1e-4)

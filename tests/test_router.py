@@ -75,19 +75,20 @@ def test_a_flush_is_refused_while_a_row_runs_and_empties_the_cache_when_idle(tmp
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoints.word_tokenizer(tmp_path))
     engine = engine_for(checkpoints.build("mqa12"), tokenizer)
-    engine.metrics = Metrics(lambda: 0, lambda: 0, lambda: 0.0)
+    metrics = Metrics(engine.load)
     prompt = torch.randint(0, 101, (30,), generator=torch.Generator().manual_seed(3)).tolist()
     asked = []
-    drive(engine, {0: [job(prompt, 6)]}, on_step=lambda s, e: s == 2 and asked.append(e.flush_cache()))
+    drive(engine, {0: [job(prompt, 6)]}, on_step=lambda s, e: s == 2 and asked.append(e.flush_cache()),
+          metrics=metrics)
     assert asked[0].result(timeout=0) is None  # a row was running: nothing flushed
-    drive(engine, {0: [job(prompt, 2, index=1)]})
-    hits = engine.metrics.prefix_hits._value.get()
+    drive(engine, {0: [job(prompt, 2, index=1)]}, metrics=metrics)
+    hits = metrics.prefix_hits._value.get()
     assert hits == 29  # the control: the second prompt found its 7 full blocks of 4 and the 8th's first token
     flushed = engine.flush_cache()
-    engine.step()  # the finished row leaves, then the flush is answered
-    assert flushed.result(timeout=0) >= 7 and engine.planner.pool.available() == engine.planner.pool.num_blocks
-    drive(engine, {0: [job(prompt, 2, index=2)]})
-    assert engine.metrics.prefix_hits._value.get() == hits  # computed cold
+    engine.step()  # an idle step (a heartbeat): the flush is answered between two steps
+    assert flushed.result(timeout=0) >= 7 and engine.scheduler.pool.available() == engine.scheduler.pool.num_blocks
+    drive(engine, {0: [job(prompt, 2, index=2)]}, metrics=metrics)
+    assert metrics.prefix_hits._value.get() == hits  # computed cold
     late = engine.flush_cache()
     engine._refuse_queued()  # the engine stops: nobody will answer at a next step
     assert isinstance(late.exception(timeout=0), RuntimeError)

@@ -13,7 +13,8 @@ import pytest
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from autotp.sampler import RowSampler, SamplingParams
+from autotp.sampling.rules import SamplingParams
+from autotp.sampling.sampler import RowSampler
 
 
 def hf(scores: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:

@@ -4,7 +4,7 @@
 import pytest
 from test_cli import cli
 
-from autotp.sampling import SEED_MAX, SEED_MIN, SamplingError, check_sampling
+from autotp.sampling.rules import SEED_MAX, SEED_MIN, SamplingError, check_sampling
 
 
 @pytest.mark.parametrize("kwargs, param", [

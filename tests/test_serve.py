@@ -262,12 +262,12 @@ def test_a_row_whose_scores_are_not_finite_fails_alone(model_dir):
             drive(engine_for(model, tok), {0: jobs})
         finally:
             hook.remove()
-        return [j.emit.ended for j in jobs]
+        return [j.ended for j in jobs]
 
     clean = run(False)
     poisoned = run(True)
     assert poisoned[:2] == clean[:2]
-    assert poisoned[2][0] == "error" and poisoned[2][2][0] == 500 and "not finite" in poisoned[2][2][1]
+    assert poisoned[2].status == 500 and "not finite" in poisoned[2].message
 
 
 def test_seeds_at_the_ends_of_the_range_are_accepted(server):
@@ -633,15 +633,17 @@ def test_a_device_side_assert_ends_the_server_in_one_line(model_dir, capsys):
     def asserted(step):
         raise torch.AcceleratorError("CUDA error: device-side assert triggered\nCUDA kernel errors might be ...")
 
-    engine.batch.run = asserted
+    engine.executor.runner.run = asserted
     jobs = [job([5, 6, 7], 4, index=0), job([8, 9], 4, index=1)]
-    engine.submit(jobs)
-    returned: list[int] = []
-    run = threading.Thread(target=lambda: returned.append(engine.run()), daemon=True)
+    for j in jobs:
+        engine.submit(j.client, [j.row])
+    events, returned = [], []
+    run = threading.Thread(target=lambda: returned.append(engine.run(lambda out: events.extend(out.events))),
+                           daemon=True)
     run.start()
     run.join(timeout=30)
     assert returned == [1], "the engine went on stepping after its GPU was lost"
-    assert [j.emit.ended[2][0] for j in jobs] == [503, 503]
+    assert sorted((e.client, e.status) for e in events) == [("job0", 503), ("job1", 503)]
     said = [line for line in capsys.readouterr().err.splitlines() if "failed" in line]
-    assert said == ["autotp serve: tensor-parallel ranks failed, shutting down: RuntimeError: the GPU can run nothing "
-                    "more, restart the server: AcceleratorError: CUDA error: device-side assert triggered"], said
+    assert said == ["autotp serve: tensor-parallel ranks failed, shutting down: the GPU can run nothing more, restart "
+                    "the server: AcceleratorError: CUDA error: device-side assert triggered"], said

@@ -13,15 +13,13 @@ import numpy as np
 import pytest
 import torch
 from checkpoints import word_tokenizer
-from engine_driver import drive, engine_for, job, recorded, run_on_ranks
+from engine_driver import drive, engine_for, job, recorded, run_on_ranks, tokens_of
+from families import any_model
 from serve_harness import Server
-from test_continuous import build, tokens_of
 
 from autotp.generate import generate
 from autotp.serve.api.metrics import Metrics
-from autotp.serve.engine.blocks import BlockPool
 from autotp.serve.engine.lookup import draft
-from autotp.serve.engine.planner import Limits, PagedPlanner
 
 DEMO = str(__import__("pathlib").Path(__import__("autotp").__file__).parent / "demo_model")
 CODE = "def print_hello_world():"  # the demo model goes on with "if not None:" lines, again and again
@@ -53,48 +51,28 @@ def test_a_draft_is_what_followed_the_newest_earlier_occurrence_of_the_last_ngra
     assert d([1, 2, 1, 2], 0) == () and d([1], 3) == () and d([], 3) == ()
 
 
-def test_the_planner_feeds_a_draft_after_the_last_token_and_keeps_only_the_tokens_that_stand():
-    pool = BlockPool(16, 4)
-    planner = PagedPlanner(pool, Limits(4, 4, 64))
-    prompt = (1, 2, 3, 4, 5, 6)
-    step = planner.plan({}, (), [(prompt, 10, False)], lambda _: 0)
-    planner.ran(step, {0: (prompt, [])})
-    step = planner.plan({0: (prompt, [])}, (), [], None)  # a budget of 4: the prompt's last 2 tokens
-    planner.ran(step, {0: (prompt, [])})
-    generated = [9]
-    step = planner.plan({0: (prompt, generated)}, (), [], None, drafts={0: (7, 7, 7, 7, 7)})
-    (row, ids, start, blocks, sample, every, draft, _), = step.work
-    assert (ids, start, sample, every) == ((9, 7, 7, 7), 6, True, True)  # the budget of 4 cuts the draft to 3
-    assert len(blocks) == 1  # positions 6..9 reach a third block
-    generated += [7, 8]  # the sampler drew 7 (the draft's first), then 8: 2 of the 4 computed tokens stand
-    planner.ran(step, {0: (prompt, generated)}, {0: 2})
-    assert planner.seqs[0].computed == 8 and len(planner.seqs[0].keys) == 2  # blocks 0-3, 4-7: full and right
-    step = planner.plan({0: (prompt, generated)}, (), [], None, drafts={})
-    assert step.work[0][1:3] == ((8,), 8)  # the next step computes from the first token that did not stand
-
-
 @pytest.mark.parametrize("name", ["gpt_bigcode_mqa12", "llama", "mistral", "gpt2"])
 def test_refused_drafts_change_no_token_and_no_score(name, tokenizer):
     """Random models (multi-query, grouped-query, a sliding window of 4, Conv1D): prompts that repeat
     themselves, so there are drafts, nearly all refused. Greedy tokens and
     their log-probabilities, and a seeded row's tokens, equal the engine's without drafts and HF generate's."""
-    model = build(name)
+    model = any_model(name)
     g = torch.Generator().manual_seed(4)
     prompt = torch.randint(0, 101, (12,), generator=g).tolist() * 2
     ended = {}
     for k in (0, 4):
         engine = engine_for(model, tokenizer, speculate=k)
-        engine.metrics = Metrics(lambda: 0, lambda: 0, lambda: 0.0)
+        metrics = Metrics(engine.load)
         jobs = [job(prompt, 30, index=0, logprobs=2), job(prompt[:20], 30, 0.8, seed=3, index=1)]
-        drive(engine, {0: jobs[:1], 3: jobs[1:]})
-        ended[k] = [j.emit.ended for j in jobs]
-        drafted = engine.metrics.drafted._value.get()
+        drive(engine, {0: jobs[:1], 3: jobs[1:]}, metrics=metrics)
+        ended[k] = [j.ended for j in jobs]
+        drafted = metrics.drafted._value.get()
     assert drafted > 0
     for with_drafts, without in zip(ended[4], ended[0], strict=True):
         assert tokens_of(with_drafts) == tokens_of(without)
     x = torch.tensor([prompt])
     assert tokens_of(ended[4][0]) == generate(model, x, max_new_tokens=30)[0, 24:].tolist()
-    for a, b in zip(ended[4][0][2].logprobs, ended[0][0][2].logprobs, strict=True):
+    for a, b in zip(ended[4][0].result.logprobs, ended[0][0].result.logprobs, strict=True):
         assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
 
 
@@ -106,18 +84,19 @@ def test_drafts_that_stand_save_steps_and_change_no_text(demo):
     out = {}
     for k in (0, 4):
         engine = engine_for(model, tok, speculate=k, block_size=16)
-        engine.metrics = Metrics(lambda: 0, lambda: 0, lambda: 0.0)
+        metrics = Metrics(engine.load)
         greedy = job(ids, 48, index=0, stream=True, stop=("while",))
-        steps = drive(engine, {0: [greedy]})
+        steps = drive(engine, {0: [greedy]}, metrics=metrics)
         seeded = job(ids, 48, 0.8, seed=5, index=1, stream=True)
-        drive(engine, {0: [seeded]})
-        out[k] = (greedy.emit, seeded.emit, steps, engine.metrics.accepted._value.get())
+        drive(engine, {0: [seeded]}, metrics=metrics)
+        out[k] = (greedy, seeded, steps, metrics.accepted._value.get())
     (g4, s4, steps4, accepted), (g0, s0, steps0, _) = out[4], out[0]
     assert accepted >= 8 and steps4 <= steps0 - 8, (accepted, steps4, steps0)
-    assert g4.ended[2] == g0.ended[2] and s4.ended[2].text == s0.ended[2].text
-    assert g4.streamed == g0.streamed == g4.ended[2].text and s4.streamed == s0.streamed
-    n = len(g4.ended[2].tokens)
-    assert list(g4.ended[2].tokens) == generate(model, torch.tensor([ids]), max_new_tokens=n)[0, len(ids):].tolist()
+    assert g4.result == g0.result
+    assert s4.result.text == s0.result.text
+    assert g4.streamed == g0.streamed == g4.result.text and s4.streamed == s0.streamed
+    n = len(g4.result.tokens)
+    assert list(g4.result.tokens) == generate(model, torch.tensor([ids]), max_new_tokens=n)[0, len(ids):].tolist()
 
 
 def test_seeded_rows_whose_drafts_stand_get_the_text_they_get_without(demo):
@@ -131,10 +110,10 @@ def test_seeded_rows_whose_drafts_stand_get_the_text_they_get_without(demo):
     out = {}
     for k in (0, 4):
         engine = engine_for(model, tok, speculate=k, block_size=16)
-        engine.metrics = Metrics(lambda: 0, lambda: 0, lambda: 0.0)
+        metrics = Metrics(engine.load)
         jobs = [job(ids, 40, 0.3, seed=s, index=i, stream=True) for i, s in enumerate((5, 9, 11))]
-        drive(engine, {0: jobs})
-        out[k] = ([j.emit.ended[2] for j in jobs], [j.emit.streamed for j in jobs], engine.metrics)
+        drive(engine, {0: jobs}, metrics=metrics)
+        out[k] = ([j.result for j in jobs], [j.streamed for j in jobs], metrics)
     (with_drafts, streamed4, m4), (without, streamed0, _) = out[4], out[0]
     assert m4.accepted._value.get() >= 20 and m4.drafted._value.get() >= 30, (m4.accepted._value.get(),
                                                                               m4.drafted._value.get())
@@ -152,19 +131,19 @@ def test_a_prompt_extending_a_speculative_rows_output_reads_no_stale_cache_block
     model, tok = demo
     ids = tok(CODE).input_ids
     engine = engine_for(model, tok, speculate=4)
-    engine.metrics = Metrics(lambda: 0, lambda: 0, lambda: 0.0)
+    metrics = Metrics(engine.load)
     first = job(ids, 40, index=0)
-    drive(engine, {0: [first]})
-    assert engine.metrics.drafted._value.get() > engine.metrics.accepted._value.get() > 0
-    resent = ids + list(first.emit.ended[2].tokens) + tok("    return").input_ids
+    drive(engine, {0: [first]}, metrics=metrics)
+    assert metrics.drafted._value.get() > metrics.accepted._value.get() > 0
+    resent = ids + list(first.result.tokens) + tok("    return").input_ids
     sent = recorded(engine)
     again = job(resent, 16, index=1, logprobs=1)
     drive(engine, {0: [again]})
     assert sent[0].work[0].start >= len(ids)  # served from the cache past the first prompt
     cold = job(resent, 16, index=1, logprobs=1)
     drive(engine_for(model, tok, caching=False), {0: [cold]})
-    assert tokens_of(again.emit.ended) == tokens_of(cold.emit.ended)
-    for a, c in zip(again.emit.ended[2].logprobs, cold.emit.ended[2].logprobs, strict=True):
+    assert tokens_of(again.ended) == tokens_of(cold.ended)
+    for a, c in zip(again.result.logprobs, cold.result.logprobs, strict=True):
         assert a.logprob == pytest.approx(c.logprob, abs=1e-4)
 
 
@@ -187,7 +166,7 @@ def test_sharded_rows_with_drafts_get_the_unsharded_tokens(pools, demo, tp):
     assert tokens_of(greedy) == generate(model, torch.tensor([ids]), max_new_tokens=40)[0, len(ids):].tolist()
     alone = job(ids[:30], 24, 0.8, seed=9)
     drive(engine_for(model, tok), {0: [alone]})
-    assert tokens_of(seeded) == tokens_of(alone.emit.ended)
+    assert tokens_of(seeded) == tokens_of(alone.ended)
 
 
 def test_a_client_of_a_speculating_server_gets_the_text_it_gets_without(demo, tmp_path):

@@ -15,7 +15,7 @@ import pytest
 from standin_hub import StandinHub
 
 DEMO = Path(__file__).parents[1] / "src" / "autotp" / "demo_model"
-PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model"]  # autotp.api.WEIGHT_FILES
+PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model"]  # autotp.hub.WEIGHT_FILES
 CLIENT = """
 import json, sys
 from huggingface_hub import hf_hub_download, snapshot_download

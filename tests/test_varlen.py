@@ -1,5 +1,5 @@
-"""The varlen attention backend (serve/runner/varlen.py) without a GPU: its step description held against dense
-attention through an emulation of `varlen_attn`'s contract, and every refusal one line at start-up.
+"""The varlen attention backend (serve/runner/attention/varlen.py) without a GPU: its step description held against
+dense attention through an emulation of `varlen_attn`'s contract, and every refusal one line at start-up.
 
 The emulation is written from torch 2.13's `varlen_attn` docstring and FlashAttention-2's rules, not from autotp:
 queries (tokens, heads, d) cut by cu_seq_q; paged keys (pages, page_size, kv, d) read through an int32 block table,
@@ -14,11 +14,14 @@ import math
 
 import pytest
 import torch
-from test_attention import LAYOUTS, ROWS, dense, step
+from test_attention import LAYOUTS, ROWS, attend, dense, step
 
 from autotp.errors import AutotpError
-from autotp.serve.runner import varlen
-from autotp.serve.runner.attention import Alibi, attend
+from autotp.serve.runner.attention import varlen
+from autotp.serve.runner.attention.backends import check_model, choose
+from autotp.serve.runner.attention.sdpa import Sdpa
+from autotp.serve.runner.attention.step import Alibi
+from autotp.serve.runner.attention.varlen import Varlen, VarlenStep
 from autotp.serve.runner.probe import probe
 
 
@@ -67,7 +70,7 @@ def test_each_token_attends_to_its_own_rows_context_as_dense_attention_does(emul
     call per layer, the pool read in place, the answer dense attention's."""
     heads, kv = LAYOUTS[layout]
     pool, tables, meta, query = step(heads, kv, backend="varlen")
-    assert meta.groups == [] and meta.varlen.max_q == max(n for _, n in ROWS)
+    assert isinstance(meta.attention, VarlenStep) and meta.attention.max_q == max(n for _, n in ROWS)
     assert meta.width == max(s + n for s, n in ROWS)
     scale = 1 / math.sqrt(8)
     got = attend(query, pool.keys[0], pool.values[0], meta, scale, window=window)
@@ -88,18 +91,18 @@ def test_a_bias_or_a_cap_reaching_the_kernel_is_one_error(emulated):
 ])
 def test_a_device_or_block_size_the_kernel_cannot_page_is_refused_naming_both(device, block, error):
     with pytest.raises(AutotpError) as e:
-        varlen.choose("varlen", torch.device(device), block)
+        choose("varlen", torch.device(device), block)
     assert str(e.value) == error
-    assert varlen.choose("sdpa", torch.device(device), block) == "sdpa"
+    assert choose("sdpa", torch.device(device), block) is Sdpa
 
 
 def test_an_ampere_gpu_is_taken_and_an_older_one_refused():
     from cuda_emulation import emulated_cuda
 
     with emulated_cuda():
-        assert varlen.choose("varlen", torch.device("cuda"), 512) == "varlen"
+        assert choose("varlen", torch.device("cuda"), 512) is Varlen
     with emulated_cuda(capability=(7, 5)), pytest.raises(AutotpError) as e:
-        varlen.choose("varlen", torch.device("cuda"), 256)
+        choose("varlen", torch.device("cuda"), 256)
     assert str(e.value) == ("--attention varlen needs a GPU of compute capability 8.0 or newer (FlashAttention-2), "
                             "not 7.5: use --attention sdpa")
 
@@ -107,12 +110,12 @@ def test_an_ampere_gpu_is_taken_and_an_older_one_refused():
 def test_rocm_and_a_torch_without_a_paged_varlen_are_refused(monkeypatch):
     monkeypatch.setattr(torch.version, "hip", "6.4")
     with pytest.raises(AutotpError, match="runs on CUDA only .FlashAttention-2., not on ROCm"):
-        varlen.choose("varlen", torch.device("cuda"), 256)
+        choose("varlen", torch.device("cuda"), 256)
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(varlen, "varlen_attn", lambda query, key, value, cu_seq_q, cu_seq_k, max_q, max_k: None)
     with pytest.raises(AutotpError, match="varlen_attn with a paged KV cache .block_table, num_splits, seqused_k, "
                                           "window_size., which torch"):
-        varlen.choose("varlen", torch.device("cuda"), 256)
+        choose("varlen", torch.device("cuda"), 256)
 
 
 @pytest.mark.parametrize("name,needs", [("llama", set()), ("gemma2", {"soft-capping"}), ("falcon_alibi", {"ALiBi"}),
@@ -126,16 +129,16 @@ def test_the_probe_names_what_a_familys_attention_needs_and_varlen_refuses_it(na
     half = [(kv, 64, torch.bfloat16) for kv, _, _ in shapes]
     if needs:
         with pytest.raises(AutotpError, match=f"--attention varlen has no {' or '.join(sorted(needs))}"):
-            varlen.refuse(seen, half)
+            check_model(Varlen, seen, half)
     else:
-        varlen.refuse(seen, half)
+        check_model(Varlen, seen, half)
     with pytest.raises(AutotpError, match="needs float16 or bfloat16 weights, not float32: add --dtype bfloat16"):
-        varlen.refuse(set(), shapes)  # the families are built in float32
+        check_model(Varlen, set(), shapes)  # the families are built in float32
 
 
 def test_heads_the_kernel_cannot_take_are_refused_naming_them():
     with pytest.raises(AutotpError) as e:
-        varlen.refuse(set(), [(2, 12, torch.bfloat16), (2, 320, torch.bfloat16), (2, 128, torch.bfloat16)])
+        check_model(Varlen, set(), [(2, 12, torch.bfloat16), (2, 320, torch.bfloat16), (2, 128, torch.bfloat16)])
     assert str(e.value) == ("--attention varlen needs heads of a multiple of 8 up to 256 (FlashAttention-2), not "
                             "12, 320: use --attention sdpa")
 

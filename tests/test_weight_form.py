@@ -1,4 +1,4 @@
-"""The form serve holds the weights in on CPU (serve/runner/weight_form.py).
+"""The form serve holds the weights in on CPU (serve/startup/weight_form.py).
 
 gemv.c, the float32 and bfloat16 kernel for products of a few rows (parallel/gemv.py): F.linear's results within
 float32 rounding on every shape it takes (bfloat16: each output the float32 sum rounded once, as F.linear's),
@@ -19,7 +19,7 @@ from serve_harness import Server
 
 from autotp.generate import generate
 from autotp.parallel import gemv
-from autotp.serve.runner import weight_form
+from autotp.serve.startup import weight_form
 
 
 @pytest.fixture

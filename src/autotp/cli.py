@@ -15,7 +15,7 @@ import re
 import sys
 import traceback
 
-from autotp.errors import AutotpError
+from autotp.errors import AutotpError, one_line
 from autotp.launch import NAMES_EXITS, launch
 
 DTYPE_CHOICES = ["float32", "bfloat16", "float16"]
@@ -36,7 +36,7 @@ def default_model() -> str:
 
 SPECULATE = 4  # serve --speculate (ServeOptions.speculate): benchmarks/spec_bench.py gains on prose too
 COMPILE = False  # serve --compile: benchmarks/compile_bench.py
-ATTENTION = ("sdpa", "flex", "varlen")  # serve --attention, the first the default (serve/runner/flex.choose says why)
+ATTENTION = ("sdpa", "flex", "varlen")  # serve --attention: serve/runner/attention/backends.BACKENDS, without torch
 
 
 def positive_int(text: str) -> int:
@@ -116,8 +116,8 @@ def _tokenizer(args, model_dir):
 
 
 def _sampling(args):
-    """The sampling flags, by the rules `autotp serve` applies to requests (autotp.sampling)."""
-    from autotp.sampling import SamplingError, check_sampling
+    """The sampling flags, by the rules `autotp serve` applies to requests (autotp/sampling/rules.py)."""
+    from autotp.sampling.rules import SamplingError, check_sampling
 
     try:
         return check_sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
@@ -132,7 +132,8 @@ def cmd_generate(args) -> int:
 
     import autotp
     from autotp import distributed
-    from autotp.generate import FROM_TOKENIZER, check_ids, check_length, context_limit, context_line, generate
+    from autotp.context import FROM_TOKENIZER, context_limit, context_line
+    from autotp.generate import check_ids, check_length, generate
     from autotp.hub import load_config, resolve_model_dir
     from autotp.loading.checkpoint import Checkpoint
     from autotp.tokenizer import fim_prompt
@@ -420,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             if os.environ.get("AUTOTP_DEBUG"):
                 traceback.print_exc()
-            message, code = f"{type(e).__name__}: {e}".splitlines()[0], 1
+            message, code = one_line(e, 10**6), 1
         # Bad input fails alike on every rank, whether autotp's checks or transformers notice it: rank 0 says
         # it, and another rank only a failure rank 0 does not share (distributed.fail decides which, through
         # the process group's store)

@@ -8,7 +8,7 @@ through gemv.c (10.8 GB/s), its 113 MB LM head 19.7 ms against 8.5. F.linear is 
 (92-116 ms), where gemv.c reads each weight row once for four rows of x: 2.6x faster at 4 rows, 1.3x at 16, 0.8x
 at 32. Past ROWS rows (prefill chunks) F.linear: MKL's blocked GEMM, compute-bound there.
 
-bfloat16 (a float32 checkpoint held in bfloat16 where the CPU multiplies it natively, serve/runner/weight_form.py),
+bfloat16 (a float32 checkpoint held in bfloat16 where the CPU multiplies it natively, serve/startup/weight_form.py),
 where the CPU has AVX512_BF16: on the 2-core Xeon with AMX this was measured on, torch's bfloat16 F.linear
 (oneDNN) read a decode step's weights at 10.3 GB/s whether for 1 row or 32 (a plain read: 25.7 GB/s); gemv.c's
 bfloat16 loop took the step's 210 products of one row in 12.2 against 20.6 ms (17.5 GB/s), 18.0 against 20.5 at 8

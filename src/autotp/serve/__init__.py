@@ -1,40 +1,47 @@
 """`autotp serve`: an OpenAI-compatible completions server on a tensor-parallel model.
 
-The packages, by who may touch what:
+The packages, by who may touch what (each imports only those listed after it, and types.py):
 
 api/ (rank 0's HTTP thread; no torch):
 - guard.py: what is refused before a request reaches an API (Host, key, media type, size, read time).
-- boundary.py: what every protocol checks (the JSON, the context limit, stops) and the served model's facts.
+- boundary.py: what every protocol checks (the JSON, the context and cache room, stops) and the served model's facts.
 - openai_api.py, tgi_api.py: OpenAI's and TGI's protocols, checked into rows and answered.
 - router_api.py: what SGLang's router reads from each replica (server and model facts, load, cache flush).
-- metrics.py: `/metrics`, named as vLLM names them.
-- http.py: the FastAPI app and the uvicorn thread.
+- metrics.py: `/metrics`, named as vLLM names them, from the engine's stats.
+- http.py: the FastAPI app, the uvicorn thread, and the engine's events routed to the requests they name.
 
-engine/ (rank 0's decisions; never imports the runner):
-- loop.py: the step loop (continuous batching), and the other ranks' `follow`.
-- request.py: one prompt of one request, from arrival to its last token (`Request`).
-- planner.py: who computes how many tokens in which blocks this step, under the budgets (`Limits`).
-- blocks.py: the block pool and its prefix cache; no torch.
+engine/ (rank 0's decisions; no torch; never imports the runner):
+- loop.py: the engine (continuous batching): schedule, the executor, the output processor, update.
+- request.py: one row of a request from arrival to its last token, with a status (`Request`).
+- scheduler.py: the waiting and running requests and their blocks; `schedule()` hands out a step, `update()` takes it
+  back; the budgets (`Limits`).
+- blocks.py: the block pool and its prefix cache.
 - lookup.py: prompt-lookup drafts (speculation).
-- output.py: sampling, log-probabilities, streaming and answers from a step's scores.
-- text.py: tokens to text, stop strings, streamed deltas.
+- output.py: a step's tokens into text, stop strings, ends and answers (the one place a row finishes).
+- text.py: tokens to text, stop strings, streamed deltas, token texts for log-probabilities.
+- stats.py: what the engine reports, as data.
 
-runner/ (every rank; the only code that touches the batch's tensors):
-- model_runner.py: one forward per step, and the step's description (attention.StepMeta) built once before it.
-- attention.py: the paged attention every layer calls, at most two kernel calls per layer and step.
-- paged.py: the KV pool, the cache object HF's forward writes through, the attention interface entry.
+lockstep/ (between the engine and the ranks):
+- step.py: the messages, `Step` out and `StepResult` back, by request id; no torch.
+- wire.py: the one broadcast per step.
+- executor.py: rank 0's executor (send, run, the failure rules) and the other ranks' `follow`.
+- watchdog.py: a step that failed on some ranks only, found within seconds.
+
+runner/ (every rank; the only code that touches the step's tensors; never imports the engine):
+- model_runner.py: this rank's block tables and one forward per step, its description built once before it.
+- next_tokens.py: the rank that samples: scores to token ids (draws, drafts verified, log-probabilities), one sync.
+- attention/: step.py (the step's layout and description every backend reads), backends.py (the table),
+  sdpa.py, flex.py, varlen.py (one backend each).
+- kv_cache.py: the KV pool, the cache object HF's forward writes through, the attention interface entry.
 - adapters.py: paged attention for the families whose attention is inline (BLOOM, Falcon, MPT).
 - probe.py: the start-up capability check and the pool's shapes.
 - compiled.py: the decode step as one torch.compile graph (`--compile`).
-- budget.py: the KV cache's size at start-up.
 
-lockstep/ (between the ranks):
-- wire.py: the `Step` rank 0 broadcasts, one message per step.
-- watchdog.py: a step that failed on some ranks only, found within seconds.
+startup/ (every rank, once): budget.py (the KV cache's size), weight_form.py (the weights' dtype and kernel).
 
-types.py: the plain types the API and the engine share (Row, Piece, Result) and the log line; no torch.
+types.py: the plain types the API and the engine share (Row, Result, the events, StopFlag) and the log line; no torch.
 options.py: the settings (`ServeOptions`), and the contradictions among them refused before loading; no torch.
-server.py: `serve()` and `backend()`, the one place that imports them all and ties them together.
+server.py: `serve()`, the one place that imports them all and ties them together.
 
 `serve` is imported on first use, so that the protocol modules of api/ import without torch.
 """

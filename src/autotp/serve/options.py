@@ -36,7 +36,7 @@ class ServeOptions:
     prefix_caching: bool = True
     speculate: int = 4  # prompt-lookup draft tokens per decoding row and step (cli.SPECULATE)
     compile: bool = False  # the decode step as one compiled graph (compiled.py; cli.COMPILE)
-    attention: str = "sdpa"  # the attention backend: sdpa, flex or varlen (flex.choose, varlen.choose)
+    attention: str = "sdpa"  # the attention backend: sdpa, flex or varlen (runner/attention/backends.py)
 
     def check(self) -> None:
         """Raise AutotpError for settings that contradict one another, whatever the model."""

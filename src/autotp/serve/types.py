@@ -1,18 +1,21 @@
-"""The plain types every part of `autotp serve` shares: a row of work, its tokens, a job's result, the log.
+"""The plain types every part of `autotp serve` shares: a row of work, its tokens, its result, the events the
+engine sends back, and the log.
 
-A leaf: it imports nothing of autotp and no torch, so the torch-free API boundary (api.py) and the
-torch side (engine/) both build on it without depending on each other.
+A leaf: it imports nothing of autotp and no torch, so the torch-free API (api/) and the engine (engine/) build on it
+without depending on each other.
 """
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
 class Row:
-    """One prompt's work, as rank 0's engine receives it from the API boundary."""
+    """One prompt to complete once, as the API hands it to the engine: a request with P prompts and n choices is
+    P x n rows."""
 
     ids: tuple[int, ...]  # prompt token ids
     max_tokens: int
@@ -23,6 +26,13 @@ class Row:
     top_k: int = 0  # 0: off
     logprobs: int | None = None  # each generated token's log-probability and this many alternatives (0-5)
     prompt_logprobs: bool = False  # also the prompt tokens' (each given the tokens before it)
+
+
+def kv_slots(prompt_tokens: int, max_tokens: int) -> int:
+    """The KV cache slots a row can ever fill: every token it computes, which is each prompt token and each generated
+    one but the last (it ends the row and is never fed back). The one rule for what fits the cache: the API refuses a
+    row that needs more than the cache holds, the scheduler reserves its blocks by it."""
+    return prompt_tokens + max_tokens - 1
 
 
 @dataclass(frozen=True)
@@ -46,17 +56,72 @@ class Piece:
     logprob: TokenLogprob | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class Result:
-    """A finished row as its client gets it: the text, cut at its stop string."""
+    """A finished row as its client gets it: the text, cut at its stop string, and what it cost."""
 
     text: str
-    finish_reason: str
+    finish_reason: str  # "stop" (eos or a stop string) or "length"
     completion_tokens: int
     tokens: tuple[int, ...] = ()  # the generated ids, the one that ended the row included
     logprobs: tuple[TokenLogprob, ...] = ()  # per generated token, when the row asked for them
     prompt_logprobs: tuple[TokenLogprob | None, ...] = ()  # per prompt token (the first has none)
     stopped_by: str = ""  # the stop string that ended it (cut from text), if one did
+    cached_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache
+    # what it took (two results that differ only by these are the same answer)
+    prompt_s: float = field(default=0.0, compare=False)  # from admission to its first token: the prompt's computation
+    decode_s: float = field(default=0.0, compare=False)  # from its first token to its last
+
+
+# What the engine sends back for a row, named by the client request's id and the row's place in it (`index`).
+
+
+@dataclass(frozen=True)
+class Token:
+    """A streamed row's new token."""
+
+    client: str
+    index: int
+    piece: Piece
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A row's answer."""
+
+    client: str
+    index: int
+    result: Result
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A row that ended without its answer: 500 for a failed generation, 503 for the server going away."""
+
+    client: str
+    index: int
+    status: int
+    message: str
+
+
+Event = Token | Finished | Failed
+
+
+class StopFlag:
+    """Set from a SIGINT/SIGTERM/SIGHUP handler (one assignment, safe there); remembers when."""
+
+    def __init__(self):
+        self.at: float | None = None
+
+    def set(self) -> None:
+        if self.at is None:
+            self.at = time.monotonic()
+
+    def is_set(self) -> bool:
+        return self.at is not None
+
+    def age(self) -> float:
+        return 0.0 if self.at is None else time.monotonic() - self.at
 
 
 def log(message: str) -> None:

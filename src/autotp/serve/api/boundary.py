@@ -16,8 +16,8 @@ from functools import cached_property
 from pydantic import BaseModel, ValidationError
 
 from autotp.errors import AutotpError
-from autotp.sampling import SEED_MAX, SamplingError, check_sampling
-from autotp.serve.types import Result, Row
+from autotp.sampling.rules import SEED_MAX, SamplingError, check_sampling
+from autotp.serve.types import Result, Row, kv_slots
 from autotp.tokenizer import fim_prompt
 
 MAX_STOP = 16  # stop strings: OpenAI allows 4, but Continue sends 7 (its StarCoder template's) to other hosts
@@ -59,14 +59,22 @@ def engine_error(status: int, message: str) -> ApiError:
 
 @dataclass(frozen=True)
 class Served:
-    """What the boundary checks against: the model's name, its tokenizer, the context it may use and the
-    KV cache slots per rank (a row that needs more could never be admitted)."""
+    """What the boundary checks against: the model's name, its tokenizer, the context it may use, the KV cache slots
+    per rank (a row that needs more could never be admitted) and the ids a prompt may hold: those both the model
+    has an embedding for and the tokenizer knows (a fine-tune that added a token without resizing has more of the
+    latter: the sharded embedding would turn such an id into zeros, and the model would answer made-up text)."""
 
     model_id: str
     tokenizer: object
     max_model_len: int
     created: int
     kv_tokens: int
+    vocab: int  # min(the model's embedding rows (config.vocab_size), len(tokenizer))
+
+    def room(self, prompt_tokens: int) -> int:
+        """The most tokens a row may generate after a prompt of `prompt_tokens`: prompt and completion within the
+        context, and the row's KV slots (types.kv_slots) within the cache. The one rule for what fits."""
+        return min(self.max_model_len - prompt_tokens, self.kv_tokens - kv_slots(prompt_tokens, 1) + 1)
 
     @cached_property
     def max_prompt_chars(self) -> int:
@@ -133,7 +141,7 @@ def validate(model: type[BaseModel], data: dict):
 
 def sampling(served: Served, *, temperature: float, top_p: float, top_k: int, seed: int | None,
              max_tokens: int, names: dict[str, str] | None = None):
-    """The sampling parameters by autotp.sampling's rules (shared with the CLI); names maps our parameter
+    """The sampling parameters by sampling/rules.py's rules (shared with the CLI); names maps our parameter
     names to the protocol's (TGI's max_new_tokens)."""
     names = names or {}
     try:
@@ -193,16 +201,18 @@ def checked_ids(served: Served, ids: tuple[int, ...], max_tokens: int, param: st
     KV cache."""
     if not ids:
         raise invalid(param, "the prompt is empty")
-    vocab = len(served.tokenizer)
-    if (bad := next((t for t in ids if not 0 <= t < vocab), None)) is not None:
-        raise invalid(param, f"token id {bad} is not in the vocabulary of {served.model_id} (0 to {vocab - 1})")
+    if (bad := next((t for t in ids if not 0 <= t < served.vocab), None)) is not None:
+        known = len(served.tokenizer)
+        raise invalid(param, f"token id {bad} is not in the vocabulary of {served.model_id} (0 to {served.vocab - 1})"
+                      + (f": its tokenizer knows {known} tokens, the model has embeddings for {served.vocab}"
+                         if known != served.vocab else ""))
+    if max_tokens <= served.room(len(ids)):
+        return ids
     if len(ids) + max_tokens > served.max_model_len:
         raise _too_long(served, str(len(ids)), max_tokens, param, budget)
-    if len(ids) + max_tokens > served.kv_tokens:
-        raise ApiError(400, f"prompt of {len(ids)} tokens + {budget} {max_tokens} can never fit the KV cache of "
-                            f"{served.kv_tokens} tokens per rank (--kv-cache-memory)", param=param,
-                       code="context_length_exceeded")
-    return ids
+    raise ApiError(400, f"prompt of {len(ids)} tokens + {budget} {max_tokens} can never fit the KV cache of "
+                        f"{served.kv_tokens} tokens per rank (--kv-cache-memory)", param=param,
+                   code="context_length_exceeded")
 
 
 def usage_of(prompt_tokens: int, results: list[Result]) -> dict:

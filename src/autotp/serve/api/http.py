@@ -5,9 +5,10 @@ Endpoints: OpenAI's POST /v1/completions and /v1/chat/completions, GET /v1/model
 /model_info, /get_load and POST /flush_cache (router_api.py); GET /health and GET /metrics (Prometheus). guard.py
 refuses what must not reach them (Host, key, media type, size, slow reads). A request is checked by its
 protocol module in a worker thread (tokenizing a long prompt takes seconds that /health must not wait
-for), split into one engine Request per row and handed to the Engine; the engine's thread sends events back into
-the event loop with `call_soon_threadsafe`. A client that goes away marks its jobs cancelled, and the
-engine ends their rows at the next step. One log line per request, on stderr.
+for) into rows, which go to the engine under the request's id (`Engine.submit`). The engine hands back each step's
+events and stats as data; `Frontend.deliver` records the stats and moves the events into the event loop (one
+`call_soon_threadsafe` per step), where each goes to the request it names. A client that goes away aborts its rows
+(`Engine.abort`), which end at the next step. One log line per request, on stderr.
 """
 
 from __future__ import annotations
@@ -30,10 +31,8 @@ from autotp.serve.api import openai_api, router_api, tgi_api
 from autotp.serve.api.boundary import ApiError, Parsed, Served, clip, engine_error
 from autotp.serve.api.guard import Guard, ReadTimeoutH11, closing_response, read_body
 from autotp.serve.api.metrics import CONTENT_TYPE, Metrics
-from autotp.serve.engine.loop import Engine
-from autotp.serve.engine.request import Request as EngineRequest  # fastapi's Request is the HTTP one
-from autotp.serve.engine.text import TextStream
-from autotp.serve.types import Result, log
+from autotp.serve.engine.loop import Engine, EngineOutput
+from autotp.serve.types import Event, Failed, Finished, Result, log
 
 RETRY_AFTER_S = 1  # what a 429 asks a client to wait: rows leave every step, so room comes back quickly
 FLUSH_WAIT_S = 10  # a flush is answered at the engine's next step (at most engine.HEARTBEAT_S when idle)
@@ -44,29 +43,18 @@ def _sse(item: dict | str) -> str:
 
 
 class Call:
-    """One request in flight: its jobs, the events the engine sends them, and its log line."""
+    """One request in flight: its rows' results as the engine's events bring them, and its log line."""
 
-    def __init__(self, cid: str, start: float, parsed: Parsed, metrics: Metrics, tgi: bool = False):
-        self.cid, self.start, self.parsed, self.metrics, self.tgi = cid, start, parsed, metrics, tgi
-        self.loop = asyncio.get_running_loop()
-        self.events: asyncio.Queue[tuple] = asyncio.Queue()
-        self.jobs = [EngineRequest(row, i, self.emit, TextStream(row.stop) if parsed.stream else None, cid,
-                                   arrived=start) for i, row in enumerate(parsed.rows)]
+    def __init__(self, cid: str, start: float, parsed: Parsed, tgi: bool = False):
+        self.cid, self.start, self.parsed, self.tgi = cid, start, parsed, tgi
+        self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.results: dict[int, Result] = {}
 
-    def emit(self, event: tuple) -> None:  # from the engine's thread
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
-        except RuntimeError:  # the event loop is gone (shutdown): nobody is waiting any more
-            pass
-
     def ordered(self) -> list[Result]:
-        return [self.results[i] for i in range(len(self.jobs))]
+        return [self.results[i] for i in range(len(self.parsed.rows))]
 
-    def cancel_unfinished(self) -> None:
-        """The request ended without all its rows (the client left, or one row failed): stop the others."""
-        for job in self.jobs:
-            job.cancelled = job.index not in self.results
+    def complete(self) -> bool:
+        return len(self.results) == len(self.parsed.rows)
 
     def log(self, status: int, error: str = "") -> None:
         log_request(self.cid, status, self.start, self.parsed.prompt_tokens, list(self.results.values()), error)
@@ -75,6 +63,37 @@ class Call:
         """Log the error under the status its protocol answers it with (TGI: 422, 424), and return it."""
         self.log(tgi_api.status(error) if self.tgi else error.status, error.message)
         return error
+
+
+class Frontend:
+    """Where the engine's output goes (`deliver`, from the engine's thread): each step's stats into the metrics, its
+    events into the event loop, each to the request in flight it names."""
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+        self.calls: dict[str, Call] = {}  # the requests in flight, by id (event loop only)
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def open(self, call: Call) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.calls[call.cid] = call
+
+    def close(self, call: Call) -> None:
+        self.calls.pop(call.cid, None)
+
+    def deliver(self, output: EngineOutput) -> None:
+        self.metrics.record(output.stats)
+        if output.events and self.loop is not None:
+            try:
+                self.loop.call_soon_threadsafe(self._route, output.events)
+            except RuntimeError:  # the event loop is gone (shutdown): nobody is waiting any more
+                pass
+
+    def _route(self, events: list[Event]) -> None:
+        for event in events:
+            call = self.calls.get(event.client)
+            if call is not None:
+                call.events.put_nowait(event)
 
 
 def log_request(cid: str, status: int, start: float, prompt_tokens: int = 0, results=(), error: str = "") -> None:
@@ -104,16 +123,16 @@ class CountAnswers:
         await self.app(scope, receive, counted)
 
 
-async def _watch_disconnect(request: Request, call: Call) -> None:
-    """Cancel the jobs when the client goes away (to be cancelled itself before the response is sent:
-    once the body is read, the next message uvicorn delivers is the disconnect)."""
-    if (await request.receive())["type"] == "http.disconnect":
-        for job in call.jobs:
-            job.cancelled = True
+async def _disconnected(request: Request) -> None:
+    """Returns when the client goes away (to be cancelled before the response is sent: once the body is read, the
+    next message uvicorn delivers is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
-def build_app(served: Served, engine: Engine, metrics: Metrics, max_body_bytes: int,
+def build_app(served: Served, engine: Engine, frontend: Frontend, max_body_bytes: int,
               allowed_hosts: frozenset[str] | None, api_key: str | None, facts: router_api.Facts) -> FastAPI:
+    metrics = frontend.metrics
     app = FastAPI(title="autotp serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(Guard, allowed_hosts=allowed_hosts, api_key=api_key, max_body_bytes=max_body_bytes)
     app.add_middleware(CountAnswers, metrics=metrics)  # outside the guard: its refusals are answers too
@@ -153,11 +172,14 @@ def build_app(served: Served, engine: Engine, metrics: Metrics, max_body_bytes: 
         """Check the request, queue its rows, and answer: whole, or as server-sent events."""
         cid, start = f"{prefix}-{uuid.uuid4().hex[:24]}", time.monotonic()
         parsed = await parse(request, cid, start, parse_fn)
-        call = Call(cid, start, parsed, metrics, tgi_api.is_tgi(request.url.path))
-        if len(call.jobs) > engine.max_queue:
-            raise call.refuse(ApiError(400, f"{len(call.jobs)} prompts and choices in one request exceed the queue "
+        call = Call(cid, start, parsed, tgi_api.is_tgi(request.url.path))
+        if len(parsed.rows) > engine.max_queue:
+            raise call.refuse(ApiError(400, f"{len(parsed.rows)} prompts and choices in one request exceed the queue "
                                             f"of {engine.max_queue} (--max-queue)", param="prompt"))
-        admitted = engine.submit(call.jobs)
+        frontend.open(call)
+        admitted = engine.submit(cid, parsed.rows, parsed.stream, start)
+        if admitted != "ok":
+            frontend.close(call)
         if admitted == "full":
             raise call.refuse(ApiError(429, f"the server is busy: {engine.max_queue} prompts are waiting already "
                                             f"(--max-queue); retry later", type="requests", code="rate_limit_exceeded",
@@ -165,8 +187,11 @@ def build_app(served: Served, engine: Engine, metrics: Metrics, max_body_bytes: 
         if admitted == "closed":
             raise call.refuse(ApiError(503, "the server is shutting down", type="server_error"))
         if parsed.stream:
-            return StreamingResponse(_stream(call), media_type="text/event-stream")
-        await _collect(request, call)
+            return StreamingResponse(_stream(call, engine, frontend, metrics), media_type="text/event-stream")
+        try:
+            await _collect(request, call, engine)
+        finally:
+            frontend.close(call)
         p = call.parsed
         response = JSONResponse(p.answer.body(call.cid, p.rows, call.ordered(), p.prompt_tokens))
         call.log(200)
@@ -210,7 +235,7 @@ def build_app(served: Served, engine: Engine, metrics: Metrics, max_body_bytes: 
 
     @app.get("/get_load")
     async def get_load() -> list[dict]:
-        return router_api.load(*engine.load())
+        return router_api.load(engine.load())
 
     @app.post("/flush_cache")  # the router sends no body: guard.py lets this one POST come without a media type
     async def flush_cache() -> dict:
@@ -239,59 +264,57 @@ def build_app(served: Served, engine: Engine, metrics: Metrics, max_body_bytes: 
     return app
 
 
-async def _collect(request: Request, call: Call) -> None:
+async def _collect(request: Request, call: Call, engine: Engine) -> None:
     """Wait for every row's result; a row's error is the request's error. A client that goes away first
     (an editor cancelling on a keystroke) ends the wait: the engine drops its rows without a word."""
-    watcher = asyncio.create_task(_watch_disconnect(request, call))
+    watcher = asyncio.create_task(_disconnected(request))
     try:
-        while len(call.results) < len(call.jobs):
+        while not call.complete():
             event = asyncio.create_task(call.events.get())
-            await asyncio.wait({event} if watcher.done() else {event, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if not event.done():  # the watcher ended first
+            await asyncio.wait({event, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not event.done():  # the client went away
                 event.cancel()
-                if any(job.cancelled for job in call.jobs):
-                    call.log(499, "the client went away")
-                    raise ApiError(499, "the client went away", type="server_error")  # sent to nobody
-                continue
-            kind, index, payload = event.result()
-            if kind == "error":
-                raise call.refuse(engine_error(*payload))
-            if kind == "done":
-                call.results[index] = payload
+                call.log(499, "the client went away")
+                raise ApiError(499, "the client went away", type="server_error")  # sent to nobody
+            if isinstance(event.result(), Failed):
+                raise call.refuse(engine_error(event.result().status, event.result().message))
+            if isinstance(event.result(), Finished):
+                call.results[event.result().index] = event.result().result
     finally:
         watcher.cancel()
-        if len(call.results) < len(call.jobs):
-            call.cancel_unfinished()
+        if not call.complete():
+            engine.abort(call.cid)
 
 
-async def _stream(call: Call):
+async def _stream(call: Call, engine: Engine, frontend: Frontend, metrics: Metrics):
     """Server-sent events, as the request's protocol words them (openai_api, tgi_api): per token, per finished
-    row, at the end. Starlette closes this generator when the client disconnects: its unfinished jobs are
-    cancelled."""
+    row, at the end. Starlette closes this generator when the client disconnects: its unfinished rows are
+    aborted."""
     answer, status, error = call.parsed.answer, 499, "the client went away"  # nginx's code, until complete
     try:
         for item in answer.start(call.cid, call.parsed.rows):
             yield _sse(item)
-        while len(call.results) < len(call.jobs):
-            kind, index, payload = await call.events.get()
-            if kind == "token":
-                for item in answer.piece(call.cid, index, payload):
+        while not call.complete():
+            event = await call.events.get()
+            if isinstance(event, Finished):
+                call.results[event.index] = event.result
+                for item in answer.finish(call.cid, event.index, event.result):
                     yield _sse(item)
-            elif kind == "done":
-                call.results[index] = payload
-                for item in answer.finish(call.cid, index, payload):
-                    yield _sse(item)
-            else:  # the status line is sent already: the error travels as an event, as OpenAI's and TGI's do
-                status, error = payload
+            elif isinstance(event, Failed):  # the status line is sent already: the error travels as an event
+                status, error = event.status, event.message
                 yield _sse(answer.error_event(engine_error(status, error)))
                 return
+            else:
+                for item in answer.piece(call.cid, event.index, event.piece):
+                    yield _sse(item)
         for item in answer.end(call.cid, call.ordered(), call.parsed.prompt_tokens):
             yield _sse(item)
         status, error = 200, ""
     finally:
+        frontend.close(call)
         if status != 200:
-            call.cancel_unfinished()
-            call.metrics.answered(status)  # its 200 went out first: the stream's own end is what it got
+            engine.abort(call.cid)
+            metrics.answered(status)  # its 200 went out first: the stream's own end is what it got
         call.log(status, error)
 
 

@@ -19,16 +19,18 @@ Every family has samples from start-up: the labelled counters start at 0 for eac
 statuses autotp answers with. A router that merges its replicas' scrapes (sglang-router's /engine_metrics) refuses
 a family whose label names differ between replicas, as they do between one with samples and one without.
 
-The engine reports from its thread, the HTTP side from the event loop; prometheus_client is thread-safe.
-Each server has a registry of its own (not the process-global one).
+The engine hands over data (engine/stats.py): each step's StepStats, recorded here from its thread, and its Load,
+read at scrape time; the HTTP side counts answers from the event loop. prometheus_client is thread-safe. Each server
+has a registry of its own (not the process-global one).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from autotp.serve.engine.stats import Load, StepStats
 
 PREFIX = "autotp:"
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -38,19 +40,23 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
                960.0, 1920.0, 7680.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-FINISH_REASONS = ("stop", "length")  # output.py's
+FINISH_REASONS = ("stop", "length")  # engine/output.py's
 # what autotp answers errors with: OpenAI's and the guard's 4xx, TGI's 422 and 424, a client that left (499), a
 # failed generation (500), shutting down (503); other statuses (405) get their sample when they first happen
 ERROR_STATUSES = (400, 401, 404, 413, 415, 422, 424, 429, 499, 500, 503)
 
 
 class Metrics:
-    def __init__(self, running: Callable[[], int], waiting: Callable[[], int], kv_usage: Callable[[], float]):
+    """load: the engine's Load now (engine/loop.Engine.load), read at each scrape."""
+
+    def __init__(self, load: Callable[[], Load]):
         self.registry = r = CollectorRegistry()
-        Gauge(f"{PREFIX}num_requests_running", "Rows decoding or being prefilled.", registry=r).set_function(running)
-        Gauge(f"{PREFIX}num_requests_waiting", "Rows waiting for room.", registry=r).set_function(waiting)
+        Gauge(f"{PREFIX}num_requests_running", "Rows decoding or being prefilled.",
+              registry=r).set_function(lambda: load().running)
+        Gauge(f"{PREFIX}num_requests_waiting", "Rows waiting for room.",
+              registry=r).set_function(lambda: load().waiting)
         Gauge(f"{PREFIX}kv_cache_usage_perc", "Used KV cache slots over the KV budget (1 = full).",
-              registry=r).set_function(kv_usage)
+              registry=r).set_function(lambda: (lambda now: now.kv_used / now.kv_tokens)(load()))
         self.ttft = Histogram(f"{PREFIX}time_to_first_token_seconds", "From arrival to the first generated token.",
                               buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram(f"{PREFIX}inter_token_latency_seconds", "Between two generated tokens of a row.",
@@ -77,28 +83,23 @@ class Metrics:
         for status in ERROR_STATUSES:
             self.errors.labels(status=str(status))
 
-    def token(self, arrived: float, previous: float | None) -> float:
-        """A row's new token (from the engine's thread); returns its time, the next call's `previous`."""
-        now = time.monotonic()
-        if previous is None:
-            self.ttft.observe(now - arrived)
-        else:
-            self.itl.observe(now - previous)
-        return now
-
-    def finished(self, arrived: float, reason: str, prompt_tokens: int, generated_tokens: int) -> None:
-        self.e2e.observe(time.monotonic() - arrived)
-        self.prompt_tokens.inc(prompt_tokens)
-        self.generation_tokens.inc(generated_tokens)
-        self.success.labels(finished_reason=reason).inc()
-
-    def prefix(self, queried: int, hit: int) -> None:
-        self.prefix_queries.inc(queried)
-        self.prefix_hits.inc(hit)
-
-    def speculated(self, drafted: int, accepted: int) -> None:
-        self.drafted.inc(drafted)
-        self.accepted.inc(accepted)
+    def record(self, stats: StepStats) -> None:
+        """One engine step's stats (from the engine's thread)."""
+        for seconds in stats.first_tokens:
+            self.ttft.observe(seconds)
+        for seconds in stats.inter_tokens:
+            self.itl.observe(seconds)
+        for ended in stats.ended:
+            self.e2e.observe(ended.seconds)
+            self.prompt_tokens.inc(ended.prompt_tokens)
+            self.generation_tokens.inc(ended.generation_tokens)
+            self.success.labels(finished_reason=ended.reason).inc()
+        if stats.prefix_queried:
+            self.prefix_queries.inc(stats.prefix_queried)
+            self.prefix_hits.inc(stats.prefix_hit)
+        if stats.drafted:
+            self.drafted.inc(stats.drafted)
+            self.accepted.inc(stats.accepted)
 
     def answered(self, status: int) -> None:
         if status >= 400:

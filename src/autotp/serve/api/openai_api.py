@@ -29,7 +29,7 @@ from autotp.serve.api.boundary import (
     usage_of,
     validate,
 )
-from autotp.serve.engine.text import CONTEXT, token_text
+from autotp.serve.engine.text import TokenTexts
 from autotp.serve.types import Piece, Result, Row, TokenLogprob
 
 STRICT = ConfigDict(strict=True, extra="forbid")
@@ -202,7 +202,6 @@ def parse_chat(raw: bytes, served: Served) -> Parsed:
     _neutral(body, CHAT_NEUTRAL)
     text = _chat_prompt(body, served)
     tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    room = min(served.max_model_len, served.kv_tokens)
     n, checked, stop = _common(body, served, tokens, 1)
     top = body.top_logprobs
     if top is not None and not (body.logprobs and 0 <= top <= MAX_TOP_LOGPROBS):
@@ -211,7 +210,7 @@ def parse_chat(raw: bytes, served: Served) -> Parsed:
     ids = prompt_ids(served, text, None, checked.max_tokens if tokens is not None else 1, param="messages",
                      template=True)
     if tokens is None:  # OpenAI's default: as many as the context leaves
-        checked = replace(checked, max_tokens=room - len(ids))
+        checked = replace(checked, max_tokens=served.room(len(ids)))
     logprobs = (top or 0) if body.logprobs else None
     stream = bool(body.stream)
     usage = stream and body.stream_options is not None and body.stream_options.include_usage
@@ -227,7 +226,7 @@ class Completions:
         self.served, self.prompts, self.echo, self.logprobs, self.usage = served, prompts, echo, logprobs, usage
         self.pending: dict[int, list[TokenLogprob]] = {}  # streamed log-probabilities not sent yet
         self.rows: list[Row] = []
-        self.left: dict[int, list[int]] = {}  # a streamed choice's last tokens: its next tokens' left context
+        self.texts: dict[int, TokenTexts] = {}  # a streamed choice's token texts, which go on from its last token
         self.offset: dict[int, int] = {}  # the length of a streamed choice's token texts so far
 
     def _object(self, cid: str, choices: list[dict], usage: dict | None = None) -> dict:
@@ -246,25 +245,23 @@ class Completions:
             if self.logprobs is not None:
                 ids = list(row.ids) + list(r.tokens) if self.echo else list(r.tokens)
                 entries = list(r.prompt_logprobs) + list(r.logprobs) if self.echo else list(r.logprobs)
-                lp = self._logprobs([] if self.echo else list(row.ids), ids, entries)
+                lp = self._logprobs(TokenTexts(self.served.tokenizer, [] if self.echo else row.ids), ids, entries)
             choices.append(self._choice(i, text, r.finish_reason, lp))
         return self._object(cid, choices, usage_of(prompt_tokens, results))
 
-    def _logprobs(self, left: list[int], ids: list[int], entries: list[TokenLogprob | None], offset: int = 0) -> dict:
+    def _logprobs(self, texts: TokenTexts, ids: list[int], entries: list[TokenLogprob | None],
+                  offset: int = 0) -> dict:
         """OpenAI's legacy shape: tokens, token_logprobs, top_logprobs (the top N plus the chosen token,
         as vLLM gives them), text_offset (into this choice's text, which has `offset` characters before these
-        tokens). Each token's text is what it adds to the tokens before it (`left`, then the ones before it
-        here): a sentencepiece `▁+` after `a` is ` +`, so the tokens join to the choice's text."""
-        tokenizer = self.served.tokenizer
-        special = set(tokenizer.all_special_ids)
+        tokens). Each token's text is what it adds to the tokens before it (engine/text.TokenTexts)."""
+        special = set(self.served.tokenizer.all_special_ids)
         tokens, offsets, tops = [], [], []
         for t, e in zip(ids, entries, strict=True):
-            tokens.append(token_text(tokenizer, left, t))
+            tokens.append(texts.text(t))
             offsets.append(offset)
             offset += 0 if t in special else len(tokens[-1])  # the text skips a special token (<s>)
-            tops.append(None if e is None else {token_text(tokenizer, left, i): lp for i, lp in e.top}
-                        | {tokens[-1]: e.logprob})
-            left = [*left[1 - CONTEXT:], t]
+            tops.append(None if e is None else {texts.text(i): lp for i, lp in e.top} | {tokens[-1]: e.logprob})
+            texts.push(t)
         return {"tokens": tokens, "token_logprobs": [None if e is None else e.logprob for e in entries],
                 "top_logprobs": tops, "text_offset": offsets}
 
@@ -285,10 +282,9 @@ class Completions:
         entries = self.pending.pop(index, [])
         if not entries:
             return None
-        ids = [e.id for e in entries]
-        out = self._logprobs(list(self.left.get(index, self.rows[index].ids)), ids, entries,
+        texts = self.texts.setdefault(index, TokenTexts(self.served.tokenizer, self.rows[index].ids))
+        out = self._logprobs(texts, [e.id for e in entries], entries,
                              self.offset.get(index, len(self.prompts[index]) if self.echo else 0))
-        self.left[index] = [*self.left.get(index, self.rows[index].ids), *ids][-CONTEXT:]
         self.offset[index] = out["text_offset"][-1] + len(out["tokens"][-1])
         return out
 
@@ -312,24 +308,24 @@ class Chat(Completions):
         super().__init__(served, [], False, logprobs, usage)
         self.n = n
 
-    def _content(self, left: list[int], entries: list[TokenLogprob]) -> dict:
-        """OpenAI's chat shape; each token's text is what it adds to the tokens before it (`left`, then the
-        ones before it here), as in Completions._logprobs."""
-        tokenizer = self.served.tokenizer
+    @staticmethod
+    def _content(texts: TokenTexts, entries: list[TokenLogprob]) -> dict:
+        """OpenAI's chat shape; each token's text is what it adds to the tokens before it (engine/text.TokenTexts)."""
 
         def token(i: int, lp: float) -> dict:
-            s = token_text(tokenizer, left, i)
+            s = texts.text(i)
             return {"token": s, "logprob": lp, "bytes": list(s.encode())}
 
         content = []
         for e in entries:
             content.append(token(e.id, e.logprob) | {"top_logprobs": [token(i, lp) for i, lp in e.top]})
-            left = [*left[1 - CONTEXT:], e.id]
+            texts.push(e.id)
         return {"content": content}
 
     def body(self, cid: str, rows: list[Row], results: list[Result], prompt_tokens: int) -> dict:
         choices = [{"index": i, "message": {"role": "assistant", "content": r.text},
-                    "logprobs": self._content(list(row.ids), list(r.logprobs)) if self.logprobs is not None else None,
+                    "logprobs": self._content(TokenTexts(self.served.tokenizer, row.ids), list(r.logprobs))
+                    if self.logprobs is not None else None,
                     "finish_reason": r.finish_reason} for i, (row, r) in enumerate(zip(rows, results, strict=True))]
         return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": self.served.model_id,
                 "choices": choices, "usage": usage_of(prompt_tokens, results)}
@@ -342,8 +338,8 @@ class Chat(Completions):
     def _delta(self, index: int, delta: dict, reason: str | None, entries: list[TokenLogprob] | None) -> dict:
         logprobs = None
         if entries:
-            logprobs = self._content(list(self.left.get(index, self.rows[index].ids)), entries)
-            self.left[index] = [*self.left.get(index, self.rows[index].ids), *(e.id for e in entries)][-CONTEXT:]
+            texts = self.texts.setdefault(index, TokenTexts(self.served.tokenizer, self.rows[index].ids))
+            logprobs = self._content(texts, entries)
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
 
     def start(self, cid: str, rows: list[Row]) -> list[dict]:

@@ -14,7 +14,7 @@ on the replica that holds their prefix; the router asks each worker for (sgl-mod
   `{dp_rank, num_reqs, num_waiting_reqs, num_tokens}`; the router sums `num_tokens`. Counted as SGLang's
   scheduler counts them: the KV slots running rows hold plus the tokens of the prompts waiting;
 - `POST /flush_cache` (no body): empties the prefix cache, or is refused with 400 while requests run or wait,
-  as SGLang refuses it (engine.Engine.flush_cache).
+  as SGLang refuses it (engine/loop.Engine.flush_cache).
 
 No torch and no HTTP framework here: http.py serves these bodies, behind the same API key as /v1/*.
 """
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import autotp
 from autotp.serve.api.boundary import ApiError, Served
+from autotp.serve.engine.stats import Load
 
 
 @dataclass(frozen=True)
@@ -54,8 +55,11 @@ def model_info(served: Served, facts: Facts) -> dict:
             "served_model_name": served.model_id, "max_context_length": served.max_model_len}
 
 
-def load(running: int, waiting: int, tokens: int) -> list[dict]:
-    return [{"dp_rank": 0, "num_reqs": running + waiting, "num_waiting_reqs": waiting, "num_tokens": tokens}]
+def load(now: Load) -> list[dict]:
+    """SGLang's load report from the engine's Load: every request it holds, running or waiting, and the KV slots
+    the running ones hold plus the waiting prompts' tokens."""
+    return [{"dp_rank": 0, "num_reqs": now.running + now.waiting, "num_waiting_reqs": now.waiting,
+             "num_tokens": now.kv_used + now.waiting_tokens}]
 
 
 def flushed(blocks: int | None) -> dict:

@@ -31,7 +31,7 @@ from autotp.serve.api.boundary import (
     stop_strings,
     validate,
 )
-from autotp.serve.engine.text import CONTEXT, token_text
+from autotp.serve.engine.text import TokenTexts
 from autotp.serve.types import Piece, Result, Row, TokenLogprob
 
 TGI_PATHS = frozenset({"/generate", "/generate_stream", "/"})
@@ -144,38 +144,41 @@ class Generation:
         self.prefill, self.top_n, self.sampled, self.seed, self.compat = prefill, top_n, sampled, seed, compat
         self.pending: list[Piece] = []
         self.sent = 0  # token events so far: each event's index
-        self.left: list[int] = []  # the streamed tokens' left context: the prompt's last tokens, then theirs
+        self.texts: TokenTexts | None = None  # the streamed tokens' texts, from the prompt's last tokens on
 
     def _text(self, result: Result) -> str:
         text = result.text + result.stopped_by
         return self.inputs + text if self.full_text else text
 
-    def _token(self, entry: TokenLogprob, special: bool | None = None, left: list[int] | None = None) -> dict:
-        """A token of `details`: a generated one's text is what it adds after `left` (TGI's decode_token,
-        with prefix_offset/read_offset), a prompt token's its own decode (as TGI's prefill)."""
-        text = self.served.tokenizer.decode([entry.id]) if left is None else token_text(self.served.tokenizer, left,
-                                                                                      entry.id)
+    def _token(self, entry: TokenLogprob, special: bool | None = None, texts: TokenTexts | None = None) -> dict:
+        """A token of `details`: a generated one's text is what it adds after the tokens before it (TGI's
+        decode_token, with prefix_offset/read_offset: engine/text.TokenTexts), a prompt token's its own decode (as
+        TGI's prefill)."""
+        text = self.served.tokenizer.decode([entry.id]) if texts is None else texts.text(entry.id)
         out = {"id": entry.id, "text": text, "logprob": entry.logprob}
         return out if special is None else out | {"special": special}
 
-    def _top(self, entry: TokenLogprob, specials: set[int], left: list[int]) -> list[dict]:
-        return [{"id": i, "text": token_text(self.served.tokenizer, left, i), "logprob": lp, "special": i in specials}
-                for i, lp in entry.top]
+    @staticmethod
+    def _top(entry: TokenLogprob, specials: set[int], texts: TokenTexts) -> list[dict]:
+        return [{"id": i, "text": texts.text(i), "logprob": lp, "special": i in specials} for i, lp in entry.top]
 
     def _details(self, row: Row, result: Result) -> dict:
         reason = "stop_sequence" if result.stopped_by else FINISH[result.finish_reason]
         specials = set(self.served.tokenizer.all_special_ids)
-        ids = list(row.ids) + [e.id for e in result.logprobs]
-        lefts = [ids[max(0, j - CONTEXT):j] for j in range(len(row.ids), len(ids))]  # each generated token's
+        texts = TokenTexts(self.served.tokenizer, row.ids)
+        tokens, tops = [], []
+        for e in result.logprobs:  # each generated token's text and its alternatives', after the tokens before it
+            tokens.append(self._token(e, e.id in specials, texts))
+            if self.top_n:
+                tops.append(self._top(e, specials, texts))
+            texts.push(e.id)
         out = {"finish_reason": reason, "generated_tokens": result.completion_tokens,
-               "seed": self.seed if self.sampled else None,
-               "prefill": [], "tokens": [self._token(e, e.id in specials, left)
-                                         for e, left in zip(result.logprobs, lefts, strict=True)]}
+               "seed": self.seed if self.sampled else None, "prefill": [], "tokens": tokens}
         if self.prefill:
             first = {"id": row.ids[0], "text": self.served.tokenizer.decode([row.ids[0]]), "logprob": None}
             out["prefill"] = [first] + [self._token(e) for e in result.prompt_logprobs[1:]]
         if self.top_n:
-            out["top_tokens"] = [self._top(e, specials, left) for e, left in zip(result.logprobs, lefts, strict=True)]
+            out["top_tokens"] = tops
         return out
 
     def body(self, cid: str, rows: list[Row], results: list[Result], prompt_tokens: int) -> dict | list:
@@ -189,7 +192,7 @@ class Generation:
 
     def start(self, cid: str, rows: list[Row]) -> list[dict]:
         self.row = rows[0]
-        self.left = list(self.row.ids[-CONTEXT:])
+        self.texts = TokenTexts(self.served.tokenizer, self.row.ids)
         return []
 
     def piece(self, cid: str, index: int, piece: Piece) -> list[dict]:
@@ -223,8 +226,8 @@ class Generation:
                                                    "special": piece.special},
                      "generated_text": None, "details": None}
             if self.top_n and entry is not None:
-                event["top_tokens"] = self._top(entry, set(self.served.tokenizer.all_special_ids), self.left)
-            self.left = [*self.left[1 - CONTEXT:], piece.id]
+                event["top_tokens"] = self._top(entry, set(self.served.tokenizer.all_special_ids), self.texts)
+            self.texts.push(piece.id)
             if last:
                 event["generated_text"] = self._text(result)
                 if self.details:

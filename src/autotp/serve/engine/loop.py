@@ -1,357 +1,245 @@
-"""Continuous batching in rank lockstep: rank 0's `Engine` decides every step, the other ranks `follow`.
+"""Rank 0's engine: continuous batching, `schedule()` -> the executor -> the output processor -> `update()`.
 
-Each step rank 0 (the main thread of `autotp serve`):
-1. takes new jobs from the HTTP thread into the waiting queue (bounded: past `max_queue`, `submit` says
-   "full" and the client gets 429);
-2. plans the step (planner.py): rows that leave (finished, failed, cancelled by a client that went away), and
-   what each row computes, in one forward over every row's new tokens (runner/model_runner.py), prompts
-   starting from their longest cached prefix, decoding rows with their speculative drafts;
-3. sends it (wire.py: one broadcast) and runs it on its own batch as every rank does;
-4. hands the scores to output.py, which samples, streams and answers the rows.
+Each iteration (`step`), in rank 0's main thread:
+1. new requests come from the HTTP thread (`submit`: bounded, past `max_queue` it says "full" and the client gets
+   429), and the ones whose clients went away leave (`abort`);
+2. the scheduler (scheduler.py) hands out the next step: what each running request computes, the prompts admitted;
+3. the executor (lockstep/executor.py) sends it to every rank and runs it; an idle engine sends an empty step after
+   up to HEARTBEAT_S (a heartbeat, so a dead rank shows within seconds);
+4. a step whose tokens are in goes through the output processor (output.py: text, stops, answers) and back to the
+   scheduler (`update`: blocks cached, finished requests freed).
 
-So a request never waits for another one to finish: it joins at the next step that has room. The ranks
-never decide anything: they apply rank 0's steps. A forward that raises on every rank alike (the same
-exception type) fails the rows it ran with 500 and the server goes on; any disagreement, a failed
-collective or a dead rank ends lockstep: rank 0 answers every job 503 and returns 1. A forward that raises
-on some ranks only leaves the others in one of its collectives; the store says so within seconds
-(watchdog.py), and rank 0 answers 503 and exits. Nothing here knows HTTP; jobs carry an `emit` callback.
+So a request never waits for another one to finish: it joins at the next step that has room. Up to `executor.depth`
+steps are in flight at once (1 with tensor parallelism alone; a pipeline keeps one per stage), each request in one of
+them at most. The engine hands back data: each step's events (types.Token, Finished, Failed) for the clients, and
+its StepStats (stats.py) for the metrics; `run` passes them to whoever serves them. No torch, no HTTP.
+
+Failures: a forward that raised on every rank alike fails its requests with 500 (answered once the next step has
+reached every rank) and the server goes on; anything that breaks lockstep (executor.py says which) answers every
+request 503 and ends the loop with 1.
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
-from itertools import islice
+from dataclasses import dataclass, field
 
-import numpy as np
-import torch
+from autotp.errors import one_line
+from autotp.serve.engine.output import OutputProcessor
+from autotp.serve.engine.request import Request, Status
+from autotp.serve.engine.scheduler import Scheduler
+from autotp.serve.engine.stats import Load, StepStats
+from autotp.serve.lockstep.step import LockstepLost, Step, StepResult
+from autotp.serve.types import Event, Failed, Row, StopFlag, log
 
-from autotp import distributed
-from autotp.sampler import RowSampler, SamplingParams
-from autotp.serve.api.metrics import Metrics
-from autotp.serve.engine import lookup
-from autotp.serve.engine.output import Output, describe, eos_ids
-from autotp.serve.engine.planner import Limits, PagedPlanner
-from autotp.serve.engine.request import Request
-from autotp.serve.lockstep.watchdog import StepWatchdog, Watch
-from autotp.serve.lockstep.wire import Channel, Step
-from autotp.serve.types import log
-
-HEARTBEAT_S = 0.5  # an idle rank 0 sends an empty step this often, so a dead rank shows within seconds
-GRACE_S = 5  # a signalled worker waits this long for rank 0's "stop" before leaving on its own
+HEARTBEAT_S = 0.5  # an idle engine sends an empty step this often, so a dead rank shows within seconds
+SHUTTING_DOWN = "the server is shutting down"
+LOST = "the tensor-parallel ranks failed while running this request; the server is exiting"
 
 
-def landed(logits) -> None:
-    """Wait, inside the watchdog's window, until the device has run the step. On CUDA `batch.run` only queues the
-    step's kernels and collectives: without this, a rank that dies or runs out of memory mid-step would leave rank
-    0 blocked in output.take's first host sync, outside the window, until NCCL's timeout (10 minutes). It moves
-    that sync here, adding none (the followers, which sample nothing, now wait for their device too)."""
-    if logits.is_cuda:
-        torch.cuda.synchronize(logits.device)
+@dataclass
+class EngineOutput:
+    """What one iteration hands back: its events, oldest first, and its stats."""
 
-
-def device_lost(e: BaseException) -> bool:
-    """An asynchronous CUDA error (a device-side assert, an illegal address): it poisons the process's CUDA
-    context, so every later step fails too and "a failing row fails alone" cannot hold. The rank that sees it
-    exits (rank 0: every request 503, one line, exit 1). An out-of-memory error is not one: it is recoverable."""
-    if isinstance(e, torch.OutOfMemoryError):
-        return False
-    return isinstance(e, ACCELERATOR_ERROR) or "CUDA error: " in str(e)  # (torch < 2.8: a RuntimeError)
-
-
-ACCELERATOR_ERROR = getattr(torch, "AcceleratorError", ())  # what torch >= 2.8 raises for a CUDA error
-
-
-def kind(description: str) -> str:
-    """The exception type of a `describe` line ("" for a step that ran): what the ranks must agree on."""
-    return description.split(":", 1)[0]
-
-
-class StopFlag:
-    """Set from a SIGINT/SIGTERM handler (one assignment, safe there); remembers when."""
-
-    def __init__(self):
-        self.at: float | None = None
-
-    def set(self) -> None:
-        if self.at is None:
-            self.at = time.monotonic()
-
-    def is_set(self) -> bool:
-        return self.at is not None
-
-    def age(self) -> float:
-        return 0.0 if self.at is None else time.monotonic() - self.at
+    events: list[Event] = field(default_factory=list)
+    stats: StepStats = field(default_factory=StepStats)
 
 
 class Engine:
-    """Rank 0's scheduler: `submit` from any thread, `run` in the main thread until `stopping` is set.
+    """`submit`, `abort`, `flush_cache` and `load` from any thread; `step` (or `run`) in rank 0's main thread.
 
-    batch: this rank's rows (runner/model_runner.PagedBatch, which the engine drives by its steps and never
-    imports); planner: the block accounting; speculate: up to this many
-    prompt-lookup draft tokens verified per decoding row and step."""
+    executor: runs the steps on every rank (lockstep/executor.Lockstep: `depth`, `submit`, `collect`, `stop`,
+    `watch_for`); output: the output processor."""
 
-    def __init__(self, batch, tokenizer, channel: Channel, stopping: StopFlag, limits: Limits,
-                 max_queue: int, planner: PagedPlanner, metrics: Metrics | None = None, speculate: int = 0):
-        self.batch, self.planner = batch, planner
-        self.speculate = speculate  # draft tokens per row per step (lookup.py)
-        self.channel, self.stopping, self.limits, self.max_queue = channel, stopping, limits, max_queue
-        self.active: dict[int, Request] = {}
-        # a copy of its own: the parser thread encodes with the original, and HF fast tokenizers are not
-        # meant to be used from two threads at once
-        self.output = Output(copy.deepcopy(tokenizer), eos_ids(batch.model), self.active)
-        self.metrics = metrics
-        self.inbox: queue.Queue[Request] = queue.Queue()
-        self.waiting: deque[Request] = deque()
-        self.next_id = 0
-        self.queued = 0  # jobs in inbox + waiting, under `lock`
-        self.lock = threading.Lock()  # makes "accepting" and "queued" one step, so no job is lost at shutdown
+    def __init__(self, scheduler: Scheduler, executor, output: OutputProcessor, max_queue: int,
+                 stopping: StopFlag | None = None):
+        self.scheduler, self.executor, self.output = scheduler, executor, output
+        self.max_queue, self.stopping = max_queue, stopping or StopFlag()
+        self.requests: dict[int, Request] = {}  # every request the engine holds, waiting or running (engine thread)
+        self.clients: dict[str, list[Request]] = {}  # the same, by their client's id
+        self.inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
+        self.aborts: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self.flushes: queue.SimpleQueue[Future] = queue.SimpleQueue()  # POST /flush_cache, answered between steps
+        self.in_flight: deque[Step] = deque()
+        self.pending: list[Event] = []  # a failed step's answers, sent once the next step has reached every rank
+        self.lock = threading.Lock()  # makes "accepting" and "queued" one step, so no request is lost at shutdown
         self.accepting = True
-        self.error = ""  # how this rank's last step failed, sent with the next step
-        self.failed: list[tuple[Request, str]] = []  # answered 500 once the next step reached every rank
-        self.forwards = 0  # steps that ran a forward, numbered as every rank numbers them (watchdog.py)
-        self.doing = "starting"  # what the ranks do now, for the line that says a rank died
-        self.watch = Watch(0, distributed.world_size(), channel.tag())
-        self.watchdog = StepWatchdog(self.watch, self._lost)
-        self.flushes: queue.Queue[Future] = queue.Queue()  # POST /flush_cache, answered between two steps
+        self.next_id = 0
+        self.queued = self.queued_tokens = 0  # requests submitted and not yet admitted, and their prompts' tokens
+        self.running = self.kv_used = 0  # as of the last step, for `load`
+        self.deliver: Callable[[EngineOutput], None] = lambda output: None
+        executor.watch_for(self._abandon)
 
-    @property
-    def metrics(self) -> Metrics | None:
-        return self.output.metrics
+    # --- any thread ---
 
-    @metrics.setter
-    def metrics(self, metrics: Metrics | None) -> None:
-        self.output.metrics = metrics
-        self.planner.metrics = metrics
-
-    def submit(self, jobs: list[Request]) -> str:
-        """Queue a request's jobs together: "ok", "full" (the queue holds max_queue jobs) or "closed"."""
+    def submit(self, client: str, rows: list[Row], stream: bool = False, arrived: float | None = None) -> str:
+        """Queue a client's rows together: "ok", "full" (the queue holds max_queue rows) or "closed". Their events
+        name `client` and each row's index in `rows`."""
+        arrived = time.monotonic() if arrived is None else arrived
         with self.lock:
             if not self.accepting:
                 return "closed"
-            if self.queued + len(jobs) > self.max_queue:
+            if self.queued + len(rows) > self.max_queue:
                 return "full"
-            self.queued += len(jobs)
-            for job in jobs:
-                self.inbox.put(job)
+            self.queued += len(rows)
+            self.queued_tokens += sum(len(row.ids) for row in rows)
+            for index, row in enumerate(rows):
+                self.inbox.put(Request(self.next_id, client, index, row, stream, arrived))
+                self.next_id += 1
         return "ok"
+
+    def abort(self, client: str) -> None:
+        """The client went away: its rows end at the next step, unanswered."""
+        self.aborts.put(client)
 
     def flush_cache(self) -> Future:
         """Empty the prefix cache on the engine's thread, between two steps (any thread may ask). The future's
-        result: the cached blocks forgotten (0 without prefix caching), or None while rows run or prompts wait:
-        nothing is flushed then, as SGLang refuses, since running rows would cache their blocks again."""
+        result: the cached blocks forgotten (0 without prefix caching), or None while requests run or wait: nothing
+        is flushed then, as SGLang refuses, since running requests would cache their blocks again."""
         future: Future = Future()
         self.flushes.put(future)
         return future
+
+    def load(self) -> Load:
+        """Rows running and waiting, the KV slots the running ones hold, the waiting prompts' tokens."""
+        with self.lock:
+            return Load(self.running, self.queued, self.kv_used, self.scheduler.limits.kv_tokens, self.queued_tokens)
+
+    # --- rank 0's main thread ---
+
+    def run(self, deliver: Callable[[EngineOutput], None]) -> int:
+        """Step until stopped and drained (0) or until the ranks can no longer run in lockstep (1); each iteration's
+        output goes to `deliver`."""
+        self.deliver = deliver
+        try:
+            while True:
+                if self.stopping.is_set():  # queued requests are answered 503 at once, admitted ones run to their end
+                    deliver(EngineOutput(self._refuse_queued()))
+                    if not self.scheduler.running and not self.in_flight:
+                        break
+                deliver(self.step())
+            self.executor.stop()
+            deliver(EngineOutput(self._take_pending()))
+            return 0
+        except Exception as e:  # noqa: BLE001 - a rank died or a collective failed: lockstep is lost
+            self._lost(str(e) if isinstance(e, LockstepLost) else one_line(e))
+            return 1
+        finally:
+            deliver(EngineOutput(self._refuse_queued()))
+
+    def step(self) -> EngineOutput:
+        """One iteration (see the module docstring)."""
+        out = EngineOutput()
+        self._intake(block=self.scheduler.idle() and not self.in_flight)
+        if not self.in_flight:
+            self._answer_flushes()
+        step = self.scheduler.schedule(out.stats, admit=not self.stopping.is_set())
+        if step.new:
+            with self.lock:
+                self.queued -= len(step.new)
+                self.queued_tokens -= sum(len(self.requests[n.id].prompt) for n in step.new)
+        self.executor.submit(step)
+        out.events += self._take_pending()  # the step reached every rank: the failures before it are answered
+        if step.runs:
+            self.in_flight.append(step)
+        if self.in_flight and (len(self.in_flight) >= self.executor.depth or not step.runs):
+            out.events += self._land(self.in_flight.popleft(), self.executor.collect(), out.stats)
+        with self.lock:
+            self.running, self.kv_used = len(self.scheduler.running), self.scheduler.kv_used()
+        return out
+
+    def _land(self, step: Step, result: StepResult, stats) -> list[Event]:
+        """A step's result: its tokens into their rows and its requests back to the scheduler."""
+        events: list[Event] = []
+        if result.error:  # the forward failed on every rank alike
+            failed = [self.requests[w.id] for w in step.work if not self.requests[w.id].status.finished]
+            log(f"a step of {len(step.work)} rows failed; they get 500 and the server goes on: {result.error}")
+            self.pending += [self.output.fail(r, 500, f"generation failed: {result.error}") for r in failed]
+            self.scheduler.update(step, ran=False)
+        else:
+            events = self.output.process(self.requests, result, stats)
+            self.scheduler.update(step)
+        for w in step.work:
+            if self.requests[w.id].status.finished:
+                self._forget(self.requests[w.id])
+        return events
+
+    def _intake(self, block: bool) -> None:
+        """New requests into the scheduler's queue (waiting up to HEARTBEAT_S for one when idle), then the aborts."""
+        try:
+            while True:
+                r = self.inbox.get(timeout=HEARTBEAT_S) if block else self.inbox.get_nowait()
+                block = False
+                self.requests[r.id] = r
+                self.clients.setdefault(r.client, []).append(r)
+                self.scheduler.add(r)
+        except queue.Empty:
+            pass
+        while not self.aborts.empty():
+            for r in list(self.clients.get(self.aborts.get_nowait(), ())):
+                self._abort(r)
+
+    def _abort(self, r: Request) -> None:
+        if r.status is Status.WAITING:
+            with self.lock:
+                self.queued -= 1
+                self.queued_tokens -= len(r.prompt)
+        elif not r.status.finished:
+            log(f"{r.client} prompt {r.index} cancelled after {len(r.output)} of {r.row.max_tokens} tokens: the "
+                f"client went away")
+        self.scheduler.abort(r, Status.ABORTED)
+        if not r.in_flight:
+            self._forget(r)
+
+    def _forget(self, r: Request) -> None:
+        self.requests.pop(r.id, None)
+        rows = self.clients.get(r.client, [])
+        if r in rows:
+            rows.remove(r)
+        if not rows:
+            self.clients.pop(r.client, None)
 
     def _answer_flushes(self) -> None:
         while not self.flushes.empty():
             future = self.flushes.get_nowait()
             with self.lock:
-                busy = bool(self.active or self.queued)
-            future.set_result(None if busy else self.planner.pool.flush() if self.planner is not None else 0)
+                busy = bool(self.requests or self.queued)
+            future.set_result(None if busy else self.scheduler.pool.flush())
 
-    def load(self) -> tuple[int, int, int]:
-        """(rows running, prompts waiting, tokens): the KV slots rows hold plus the waiting prompts' tokens, as
-        SGLang's /get_load counts them; any thread."""
-        with self.lock:
-            waiting = [j.row.ids for j in list(self.waiting)]
-            running = sum(not a.done for a in list(self.active.values()))
-            queued = self.queued
-        return running, queued, self.kv_used() + sum(map(len, waiting))
+    def _take_pending(self) -> list[Event]:
+        pending, self.pending = self.pending, []
+        return pending
 
-    def counts(self) -> tuple[int, int]:
-        """(rows running or prefilling, jobs waiting), for the metrics; any thread. A row that has its answer
-        (done) no longer counts, though its memory goes at the next step."""
-        with self.lock:
-            return sum(not a.done for a in list(self.active.values())), self.queued
-
-    def kv_used(self) -> int:
-        """Cache slots in the blocks rows hold now (idle cached blocks are free room); any thread."""
-        return self.planner.kv_used()
-
-    def run(self) -> int:
-        """Schedule until stopped and drained (0) or until the ranks can no longer run in lockstep (1)."""
-        if self.watch.store is not None:
-            self.watchdog.start()
-        try:
-            while not (self.stopping.is_set() and self._drained()):
-                self.step()
-            self.channel.send(Step(stop=True, error=self.error))
-            self._answer_failed()
-            return 0
-        except Exception as e:  # noqa: BLE001 - a rank died or a collective failed: lockstep is lost
-            self._lost(self.watch.died(e, self.doing) or describe(e))
-            return 1
-        finally:
-            self._refuse_queued()
-
-    def _refuse_queued(self) -> None:
-        """No job is taken any more, and the queued ones are answered 503."""
+    def _refuse_queued(self) -> list[Event]:
+        """No request is taken any more, and the queued ones are answered 503."""
         with self.lock:
             self.accepting = False
         self._intake(block=False)
-        for job in self.waiting:
-            job.fail(503, "the server is shutting down")
-        self.waiting.clear()
+        events: list[Event] = []
+        for r in list(self.scheduler.waiting):
+            self._abort(r)
+            events.append(self.output.fail(r, 503, SHUTTING_DOWN))
         while not self.flushes.empty():
-            self.flushes.get_nowait().set_exception(RuntimeError("the server is shutting down"))
+            self.flushes.get_nowait().set_exception(RuntimeError(SHUTTING_DOWN))
+        return events
 
     def _lost(self, why: str) -> None:
-        """Lockstep is lost (a rank died, a collective failed, a forward failed on some ranks only): every
-        admitted request is answered 503 and no new one is taken. From the main thread, or from the watchdog's
-        while the main thread waits in a collective that will never end (it then ends the process)."""
+        """Lockstep is lost (a rank died, a collective failed, a forward failed on some ranks only): every admitted
+        request is answered 503 (run() then refuses the queued ones)."""
         log(f"tensor-parallel ranks failed, shutting down: {why}")
-        message = "the tensor-parallel ranks failed while running this request; the server is exiting"
-        for job in [a for a in self.active.values() if not a.done] + [j for j, _ in self.failed]:
-            job.fail(503, message)
-        if threading.current_thread() is self.watchdog:
-            self._refuse_queued()
-            time.sleep(1.0)  # the HTTP thread writes the answers before the process ends
+        events: list[Event] = [self.output.fail(r, 503, LOST) for r in list(self.scheduler.running.values())
+                               if not r.status.finished]
+        events += [Failed(e.client, e.index, 503, LOST) for e in self._take_pending()]
+        self.deliver(EngineOutput(events))
 
-    def _drained(self) -> bool:
-        """Stopping: queued jobs are answered 503 at once, admitted ones run to their end."""
-        with self.lock:
-            self.accepting = False
-        self._intake(block=False)
-        while self.waiting:
-            self._unqueue(self.waiting.popleft()).fail(503, "the server is shutting down")
-        return not self.active
-
-    def step(self) -> None:
-        """One iteration: plan, send, run, sample. An idle one sends a heartbeat after up to HEARTBEAT_S."""
-        self._intake(block=not self.active)
-        step = self._plan()
-        self.doing = f"receiving step {self.forwards + 1} from rank 0"
-        self.channel.send(step)
-        self._answer_failed()
-        self.batch.apply(step)
-        for row in step.drop:
-            del self.active[row]
-        self._answer_flushes()
-        if not step.runs:
-            return
-        self.forwards += 1
-        self.doing = f"running the forward of step {self.forwards} ({len(self.active)} rows)"
-        self.watchdog.begin(self.forwards)
-        try:
-            scores = self.batch.run(step)
-            landed(scores.logits)
-        except Exception as e:  # noqa: BLE001 - the next step tells every rank; they must have failed alike
-            self.watchdog.end()
-            if self.watch.died(e, self.doing):  # no rank is left to compare with: run() says which one died
-                raise
-            self.watch.failed(self.forwards, describe(e))
-            if device_lost(e):
-                raise RuntimeError(f"the GPU can run nothing more, restart the server: {describe(e)}") from e
-            if not self.watch.alike(self.forwards):  # a rank that did not fail waits in a collective
-                raise RuntimeError(f"rank 0's forward failed and another rank's did not: {describe(e)}") from e
-            self.error = describe(e)
-            lost = set(self.active) - set(self.batch.rows())
-            log(f"a step of {len(lost)} rows failed; they get 500 and the server goes on: {self.error}")
-            for row in lost:
-                self.failed.append((self.active.pop(row), f"generation failed: {self.error}"))
-                self.planner.release(row)
-            return
-        self.watchdog.end()
-        kept = self.output.take(scores)
-        self.planner.ran(step, {w.row: self._tokens(w.row) for w in step.work}, kept)
-
-    def _tokens(self, row: int) -> tuple[tuple[int, ...], list[int]]:
-        """A row's prompt and generated tokens (the planner reads the spans it needs, copying neither)."""
-        a = self.active[row]
-        return a.row.ids, a.tokens
-
-    def _drafts(self) -> dict[int, tuple[int, ...]]:
-        """Each decoding row's prompt-lookup draft (lookup.py), no longer than its budget leaves room for."""
-        drafts = {}
-        for row, a in self.active.items():
-            room = min(self.speculate, a.row.max_tokens - len(a.tokens) - 1)
-            a.draft = ()
-            if a.done or not a.tokens or room <= 0:
-                continue
-            if a.prompt is None:
-                a.prompt = np.asarray(a.row.ids, dtype=np.int64)
-            a.draft = lookup.draft(np.concatenate((a.prompt, np.asarray(a.tokens, dtype=np.int64))), room)
-            if a.draft:
-                drafts[row] = a.draft
-        return drafts
-
-    def _unqueue(self, job: Request) -> Request:
-        with self.lock:
-            self.queued -= 1
-        return job
-
-    def _intake(self, block: bool) -> None:
-        if block and not self.waiting:
-            try:
-                self.waiting.append(self.inbox.get(timeout=HEARTBEAT_S))
-            except queue.Empty:
-                pass
-        while not self.inbox.empty():
-            self.waiting.append(self.inbox.get_nowait())
-        if any(j.cancelled for j in self.waiting):  # their clients left before they started
-            for job in [j for j in self.waiting if j.cancelled]:
-                self.waiting.remove(self._unqueue(job))
-
-    def _answer_failed(self) -> None:
-        for job, message in self.failed:
-            job.fail(500, message)
-        self.failed.clear()
-
-    def _admit(self) -> int:
-        """The head of the queue joins the batch; returns its row id."""
-        job = self._unqueue(self.waiting.popleft())
-        row = job.row
-        params = SamplingParams(row.temperature, row.top_p, row.top_k, row.seed)
-        job.sampler = RowSampler(params, self.batch.device)
-        self.active[self.next_id] = job
-        self.next_id += 1
-        return self.next_id - 1
-
-    def _plan(self) -> Step:
-        for a in self.active.values():
-            if a.cancelled and not a.done:
-                a.done = True
-                log(f"{a.request_id} prompt {a.index} cancelled after {len(a.tokens)} of {a.row.max_tokens} "
-                    f"tokens: the client went away")
-        drop = tuple(r for r, a in self.active.items() if a.done)
-        error, self.error = self.error, ""
-        head = [] if self.stopping.is_set() else list(islice(self.waiting, self.limits.max_num_seqs))
-        rows = {r: self._tokens(r) for r, a in self.active.items() if not a.done}
-        step = self.planner.plan(rows, drop, [(j.row.ids, j.row.max_tokens, j.row.prompt_logprobs) for j in head],
-                                 lambda _: self._admit(), self._drafts() if self.speculate else None)
-        return dataclasses.replace(step, error=error)
-
-
-def follow(batch, channel: Channel, stopping: StopFlag) -> int:
-    """A worker rank: apply and run rank 0's steps on its batch (as Engine's) until "stop". Signalled alone
-    (rank 0 still sends work), it leaves when idle after GRACE_S; rank 0 then sees the broken group and
-    shuts down."""
-    error, forwards = "", 0
-    watch = Watch(distributed.rank(), distributed.world_size(), channel.tag())
-    while True:
-        step = channel.recv()
-        if kind(step.error) != kind(error):  # the messages may differ by rank (a CUDA OOM names its GPU)
-            raise RuntimeError(f"the tensor-parallel ranks disagree on the last step: rank 0 "
-                               f"{step.error or 'ran it'!r}, this rank {error or 'ran it'!r}")
-        if step.stop:
-            return 0
-        error = ""
-        batch.apply(step)
-        if step.runs:
-            forwards += 1
-            try:
-                landed(batch.run(step).logits)
-            except Exception as e:  # noqa: BLE001 - compared with rank 0's at the next step
-                error = describe(e)
-                watch.failed(forwards, error)
-                if device_lost(e):
-                    raise
-        elif stopping.is_set() and stopping.age() > GRACE_S and not step.drop:
-            return 0
+    def _abandon(self, why: str) -> None:
+        """_lost from the executor's watchdog, while the main thread waits in a collective that will never end: the
+        queued requests are refused here too, and the watchdog ends the process once this returns."""
+        self._lost(why)
+        self.deliver(EngineOutput(self._refuse_queued()))
+        time.sleep(1.0)  # the HTTP thread writes the answers before the process ends

@@ -38,6 +38,23 @@ def token_text(tokenizer, left: Sequence[int], token: int) -> str:
     return text if text and "\ufffd" not in text else tokenizer.decode([token])
 
 
+class TokenTexts:
+    """One row's token texts as its log-probability lists show them (OpenAI's `tokens` and `top_logprobs`, TGI's
+    `details`): each token's text is what it adds after the tokens before it (token_text, over a window of the last
+    CONTEXT of them, the prompt's at first), so a sentencepiece `▁+` after `a` is ` +` and the texts join to the
+    completion's. `text` names a token at the current position (the chosen one and its alternatives), `push`
+    moves past the chosen one. The one owner of that window for every protocol."""
+
+    def __init__(self, tokenizer, left: Sequence[int]):
+        self.tokenizer, self.left = tokenizer, list(left[len(left) - CONTEXT:]) if len(left) > CONTEXT else list(left)
+
+    def text(self, token: int) -> str:
+        return token_text(self.tokenizer, self.left, token)
+
+    def push(self, token: int) -> None:
+        self.left = [*self.left[1 - CONTEXT:], token]
+
+
 class Detokenizer:
     """A row's completion text, decoded incrementally (vLLM's incremental detokenizer; tokenizers'
     DecodeStream does the same): each new token decodes a window of a few tokens, not the whole completion.

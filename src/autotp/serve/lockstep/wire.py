@@ -1,60 +1,29 @@
-"""The one message per step: rank 0's `Step`, broadcast to every rank on a gloo group of its own.
+"""The one message per step: rank 0's `Step` (step.py), broadcast to every rank on a gloo group of its own.
 
-A step is a few hundred bytes (the running rows' next tokens, the rows that leave, rarely a new row's
-prompt), sent as one broadcast of a fixed BUFFER-byte tensor: its first 8 bytes give the pickled
-step's length. A step that does not fit (a long prompt's chunk, say) is sent whole in a second
-broadcast of exactly its size. So a decode step costs one collective beyond the model's own, whatever
-happens in it: who leaves, who is cancelled, what the next tokens are. NCCL runs keep NCCL for the
-model; this group is gloo, on CPU tensors, and its ranks on one host broadcast through shared memory
-(parallel/shm.py: ~10 us for 4 KiB against gloo's ~1 ms). Pickle is safe here: only rank 0's own process
-writes it.
+A step is a few hundred bytes (the running requests' next tokens, the ones that ended, a new one's sampling
+parameters), sent as one broadcast of a fixed BUFFER-byte tensor: its first 8 bytes give the pickled step's length.
+A step that does not fit (a long prompt's chunk, say) is sent whole in a second broadcast of exactly its size. So a
+decode step costs one collective beyond the model's own, whatever happens in it: who leaves, who is cancelled, what
+the next tokens are. NCCL runs keep NCCL for the model; this group is gloo, on CPU tensors, and its ranks on one host
+broadcast through shared memory (parallel/shm.py: ~10 us for 4 KiB against gloo's ~1 ms). Pickle is safe here: only
+rank 0's own process writes it.
 """
 
 from __future__ import annotations
 
 import pickle
-from dataclasses import dataclass
 from datetime import timedelta
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from autotp import distributed
 from autotp.parallel import shm
+from autotp.serve.lockstep.step import Step
 
 BUFFER = 4096
 HEADER = 8
 TIMEOUT_S = 60  # no broadcast waits longer than a heartbeat plus one step (a long prefill chunk included)
-
-
-class Work(NamedTuple):
-    """One row's part of a step (runner/model_runner.py). A named tuple: the step is pickled every step, and a
-    tuple's fields cost no bytes on the wire."""
-
-    row: int  # rank 0's row id, unique for the server's lifetime
-    tokens: tuple[int, ...]  # the token ids it computes, in order
-    start: int  # the position of the first of them
-    blocks: tuple[int, ...]  # block ids appended to its table before the step
-    sample: bool  # its last token gives its next one
-    every: bool  # every position's scores are kept (prompt log-probabilities, a draft's verification)
-    draft: int = 0  # its last `draft` tokens are a speculative draft (lookup.py), not yet the row's
-    copy: tuple[int, ...] = ()  # (source, destination, m): copy a block's first m keys and values before the step
-
-
-@dataclass(frozen=True)
-class Step:
-    """What every rank does next: rows leave, then each row of `work` computes its tokens, in one forward."""
-
-    drop: tuple[int, ...] = ()  # rows that leave before this step (finished, cancelled, failed)
-    work: tuple[Work, ...] = ()  # in forward order
-    error: str = ""  # how the previous step failed on rank 0 ("" if it did not): every rank must agree
-    stop: bool = False  # every rank returns
-
-    @property
-    def runs(self) -> bool:
-        """Whether the step runs a forward."""
-        return bool(self.work)
 
 
 class Channel:

@@ -3,7 +3,7 @@
 BLOOM, Falcon and MPT compute their attention (ALiBi or rotary) inside their attention module's forward, so the
 paged engine cannot reach it through transformers' interface. For each, an adapter replaces that one module's
 `forward` (the instance's, never the class's, so two models in one process do not interfere): called with a
-`PagedCache` it runs HF's own projections and splits, writes the new keys and values into the pool, and
+`StepCache` it runs HF's own projections and splits, writes the new keys and values into the pool, and
 attends through the cache with HF's arithmetic (scale, where the bias goes, its dtype); called with anything
 else (HF's `generate`, a DynamicCache) it is HF's forward, unchanged. The bias is read as a table, the one the
 family's own forward computed and autotp narrowed to this rank's heads (parallel/head_inputs.py), or, where the
@@ -15,7 +15,7 @@ forward hands its layers only a mask with the bias folded in, built the way HF b
   transformers' AttentionInterface since 5.25, but without the keyword arguments that carry the step's cache);
 - MPT: `position_bias` (heads, 1, max_seq_len), relative to the row's last key, scores = (q k^T) * scale + bias.
 
-The tables are as wide as the step's longest context because the cache says so (`PagedCache.get_mask_sizes`).
+The tables are as wide as the step's longest context because the cache says so (`StepCache.get_mask_sizes`).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import torch
 from transformers.models.bloom.modeling_bloom import dropout_add
 from transformers.models.falcon.modeling_falcon import apply_rotary_pos_emb, build_alibi_tensor
 
-from autotp.serve.runner.attention import Alibi
-from autotp.serve.runner.paged import PagedCache
+from autotp.serve.runner.attention.step import Alibi
+from autotp.serve.runner.kv_cache import StepCache
 
 
 def _bloom(module, hidden_states, residual, alibi, attention_mask, layer_past=None, **kwargs):
@@ -64,7 +64,7 @@ def _falcon(module, hidden_states, attention_mask=None, position_ids=None, layer
     return module.dense(out.reshape(batch, tokens, heads * d)), None
 
 
-def _falcon_alibi(module, cache: PagedCache, dtype: torch.dtype) -> Alibi:
+def _falcon_alibi(module, cache: StepCache, dtype: torch.dtype) -> Alibi:
     """Falcon's bias table for this rank's heads, (heads, width): HF's own build_alibi_tensor over the global head
     count (its slopes rounded through bfloat16), cut to the heads the rank holds. FalconModel folds the bias into
     the attention mask before its layers (transformers >= 5.25), a mask the paged attention does not read. Built
@@ -105,7 +105,7 @@ MASKS = {"MptAttention": lambda module: True, "FalconAttention": lambda module: 
 
 def _adapted(adapter, argument: str, original):
     def forward(module, *args, **kwargs):
-        if isinstance(kwargs.get(argument), PagedCache):
+        if isinstance(kwargs.get(argument), StepCache):
             return adapter(module, *args, **kwargs)
         return original(*args, **kwargs)
 

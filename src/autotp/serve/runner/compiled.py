@@ -27,11 +27,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from autotp import compiler
-from autotp.serve.runner.attention import Group, StepMeta
-from autotp.serve.runner.paged import KvPool
+from autotp.serve.runner.attention.sdpa import Group, SdpaStep
+from autotp.serve.runner.attention.step import StepMeta, ship
+from autotp.serve.runner.kv_cache import KvPool
 
 
 def cache_dir() -> str:
@@ -46,32 +48,43 @@ def bucket(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def decode_meta(pool: KvPool, tables: list[list[int]], starts: list[int], device) -> tuple[StepMeta, int]:
+def decode_meta(pool: KvPool, tables: list[list[int]], starts: list[int], device, tokens: list[int] | None = None,
+                extra: list[np.ndarray] = ()) -> tuple[StepMeta, int, torch.Tensor | None, list[torch.Tensor]]:
     """The padded description of a decode step: rows with block `tables` compute the token at positions `starts`.
 
-    Returns it and its row count, bucket(rows): one short group (attention.Group) of one query per row, whose
-    context is a power-of-two number of blocks; a padding row writes the scratch slot and sees the zero slot."""
-    size, rows = pool.block_size, bucket(len(tables))
+    Returns it, its row count, bucket(rows), `tokens` padded to that count as the step's ids (1, rows) (None where
+    not given) and the `extra` host arrays on the device: one short group (sdpa.Group) of one query per row, whose
+    context is a power-of-two number of blocks; a padding row writes the scratch slot and sees the zero slot. Built
+    on the host and copied once (step.ship)."""
+    size, rows, real = pool.block_size, bucket(len(tables)), len(tables)
     blocks = 1 << (max(starts) // size).bit_length()  # a power of two > max(starts) // size
-    table = torch.tensor([(t[:blocks] + [0] * blocks)[:blocks] for t in tables] + [[0] * blocks] * (rows - len(tables)),
-                         device=device)
-    slots = (table[:, :, None] * size + torch.arange(size, device=device)).flatten(1)  # (rows, blocks * size)
-    ends = torch.tensor(starts + [0] * (rows - len(tables)), device=device)
-    visible = torch.arange(slots.shape[1], device=device)[None] <= ends[:, None]
-    slots = slots.masked_fill(~visible, pool.slots)
-    slots[len(tables):, 0] = pool.slots  # a padding row sees the zero slot alone
-    index = torch.arange(rows, device=device)
-    write = slots[index, ends]
-    write[len(tables):] = pool.scratch
-    group = Group(index[:, None], slots, visible[:, None, None, :], ends[:, None, None, None], (ends + 1)[:, None])
-    return StepMeta(write, ends, [group]), rows
+    table = np.zeros((rows, blocks), dtype=np.int64)
+    for r, t in enumerate(tables):
+        t = t[:blocks]
+        table[r, :len(t)] = t
+    slots = (table[:, :, None] * size + np.arange(size)).reshape(rows, -1)  # (rows, blocks * size)
+    ends = np.array(starts + [0] * (rows - real))
+    slots[np.arange(slots.shape[1])[None] > ends[:, None]] = pool.slots
+    slots[real:, 0] = pool.slots  # a padding row sees the zero slot alone
+    write = slots[np.arange(rows), ends]
+    write[real:] = pool.scratch
+    arrays = [write, ends, np.arange(rows), slots, np.array([(tokens or []) + [0] * (rows - len(tokens or []))])]
+    shipped = ship([*arrays, *extra], device)
+    # the graph's inputs each a tensor of its own: views of the one shipped buffer would alias one storage at offsets
+    # that change with the shapes (a guard the graph could fail every step); device copies, no host wait
+    write_t, ends_t, index, slots_t, ids = (t.clone() for t in shipped[:len(arrays)])
+    visible = torch.arange(slots_t.shape[1], device=slots_t.device)[None] <= ends_t[:, None]
+    group = Group(index[:, None], slots_t, visible[:, None, None, :], ends_t[:, None, None, None],
+                  (ends_t + 1)[:, None])
+    return (StepMeta(write_t, ends_t, SdpaStep([group])), rows, ids if tokens is not None else None,
+            shipped[len(arrays):])
 
 
 def _mark_dynamic(ids: torch.Tensor, meta: StepMeta) -> None:
     """The sizes that change from step to step: context columns, and rows where there are two or more. Only
     these: were every size dynamic (dynamic=True), a context of 64 columns would be unified with a head_dim
     of 64, then specialised with it."""
-    group, = meta.groups
+    group, = meta.attention.groups
     torch._dynamo.mark_dynamic(group.slots, 1)
     torch._dynamo.mark_dynamic(group.visible, 3)
     if ids.shape[1] > 1:
@@ -94,8 +107,8 @@ class CompiledDecode:
         of the warm-up eager: a rank whose compiler failed still meets the others' collectives."""
         start, failure = time.perf_counter(), compiler.missing(device)
         for rows in (1, 2):  # four blocks of context: not 1, and not the rows' size
-            meta, _ = decode_meta(pool, [[0] * 4] * rows, [3 * pool.block_size] * rows, device)
-            meta.slot_mapping[:], meta.groups[0].slots[:] = pool.scratch, pool.slots
+            meta, _, _, _ = decode_meta(pool, [[0] * 4] * rows, [3 * pool.block_size] * rows, device)
+            meta.slot_mapping[:], meta.attention.groups[0].slots[:] = pool.scratch, pool.slots
             ids = torch.zeros(1, rows, dtype=torch.long, device=device)
             _mark_dynamic(ids, meta)
             with torch.no_grad():  # not inference_mode: inductor refuses inference tensors

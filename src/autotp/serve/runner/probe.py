@@ -1,6 +1,6 @@
 """The paged engine's start-up capability check: does this model's attention reach the pool, and with what shapes.
 
-A 1-token forward with a recording cache (paged.PagedCache without a pool) on every rank: each layer's keys
+A 1-token forward with a recording cache (kv_cache.StepCache without a pool) on every rank: each layer's keys
 (this rank's kv_heads, head_dim, dtype) size the pool (server.backend), and a layer whose attention never asks
 the cache to attend is one the engine cannot serve. There is no other engine to fall back to: a model it cannot
 run is refused at start-up, naming what it would need.
@@ -12,7 +12,7 @@ import torch
 
 from autotp.errors import AutotpError
 from autotp.serve.runner import adapters
-from autotp.serve.runner.paged import ATTENTION, PagedCache
+from autotp.serve.runner.kv_cache import ATTENTION, StepCache
 
 
 class Implementation:
@@ -50,7 +50,7 @@ def probe(model, needs: set[str] | None = None) -> list[tuple[int, int, torch.dt
         raise AutotpError(f"autotp serve cannot run {config.model_type}: its layers of type {sorted(kinds)} need "
                           f"a mask the paged attention does not make (it makes {sorted(MASKS)})")
     adapters.install(model)
-    cache, device = PagedCache(None, None, 1), model.device
+    cache, device = StepCache(None, None, 1), model.device
     implementation = Implementation(model)
     implementation.set()
     try:

@@ -29,60 +29,24 @@ rules above were read from its source (flash_api.cpp, mask.h), not seen.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from autotp.errors import AutotpError
-from autotp.serve.runner.attention import pages
+from autotp.serve.runner.attention.step import StepLayout
 
 try:
     from torch.nn.attention.varlen import varlen_attn
-except ImportError:  # torch before 2.9: the backend is refused by `choose`
+except ImportError:  # torch before 2.9: the backend is refused by `Varlen.refuse`
     varlen_attn = None
 
 # FlashAttention-2 pages a KV cache only in blocks of a multiple of 256 tokens ("Paged KV cache block size must be
 # divisible by 256", flash_api.cpp; FA3 and vLLM's fork relax it)
 PAGE_MULTIPLE = 256
 PAGED = {"block_table", "seqused_k", "window_size", "num_splits"}  # the keywords this backend passes
-
-
-def choose(requested: str, device: torch.device, block_size: int) -> str:
-    """`requested`, or a one-line error where varlen cannot serve (see the module docstring); other backends
-    pass through."""
-    if requested != "varlen":
-        return requested
-    if varlen_attn is None or not PAGED <= set(inspect.signature(varlen_attn).parameters):
-        raise AutotpError(f"--attention varlen needs torch.nn.attention.varlen.varlen_attn with a paged KV cache "
-                          f"({', '.join(sorted(PAGED))}), which torch {torch.__version__} lacks: use --attention sdpa")
-    if device.type != "cuda" or torch.version.hip:
-        raise AutotpError(f"--attention varlen runs on CUDA only (FlashAttention-2), not on "
-                          f"{'ROCm' if torch.version.hip else device.type}: use --attention sdpa")
-    if block_size % PAGE_MULTIPLE:
-        raise AutotpError(f"--attention varlen needs --block-size a multiple of {PAGE_MULTIPLE} (FlashAttention-2's "
-                          f"pages), not {block_size}")
-    capability = torch.cuda.get_device_capability(device)
-    if capability < (8, 0):
-        raise AutotpError(f"--attention varlen needs a GPU of compute capability 8.0 or newer (FlashAttention-2), "
-                          f"not {capability[0]}.{capability[1]}: use --attention sdpa")
-    return requested
-
-
-def refuse(needs: set[str], shapes: list[tuple[int, int, torch.dtype]]) -> None:
-    """Raises where the model the probe saw needs what the kernel does not do: `needs` and `shapes` (each layer's
-    kv_heads, head_dim, dtype) are probe.probe's."""
-    if needs:
-        raise AutotpError(f"--attention varlen has no {' or '.join(sorted(needs))}, which this model's attention "
-                          f"uses: use --attention sdpa")
-    other = sorted({str(dtype).removeprefix("torch.") for _, _, dtype in shapes} - {"float16", "bfloat16"})
-    if other:
-        raise AutotpError(f"--attention varlen needs float16 or bfloat16 weights, not {', '.join(other)}: add "
-                          f"--dtype bfloat16, or use --attention sdpa")
-    dims = sorted({dim for _, dim, _ in shapes if dim % 8 or dim > 256})
-    if dims:
-        raise AutotpError(f"--attention varlen needs heads of a multiple of 8 up to 256 (FlashAttention-2), not "
-                          f"{', '.join(map(str, dims))}: use --attention sdpa")
 
 
 @dataclass
@@ -107,7 +71,7 @@ class VarlenStep:
     def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float | None,
                window: int | None, softcap: float | None, alibi) -> torch.Tensor:
         """query (tokens, heads, d); keys and values: one layer's pool, (slots + 2, kv, d). -> (tokens, heads, d)."""
-        if softcap is not None or alibi is not None:  # refused at start-up (refuse); a model that hid it fails here
+        if softcap is not None or alibi is not None:  # refused at start-up (refuse_model); one that hid it fails here
             raise AutotpError("--attention varlen has no soft-capping or ALiBi")
         kv, dim = keys.shape[1:]
         k = keys[:self.slots].view(-1, self.block_size, kv, dim)  # (num_blocks, block_size, kv, d): the pool
@@ -118,13 +82,64 @@ class VarlenStep:
                            num_splits=1)  # see the module docstring
 
 
-def describe(size: int, tables: list[list[int]], starts: np.ndarray,
-             counts: np.ndarray) -> tuple[list[np.ndarray], np.ndarray, np.ndarray, int, int]:
-    """The host arrays of a VarlenStep for rows with block `tables` computing counts[r] tokens from starts[r]:
-    [cu_seq_q, cu_seq_k, seqused_k, block_table]; each new token's slot and position (step order); the longest
-    query and the longest context."""
-    ends = starts + counts
-    table, _, qpos, written = pages(size, tables, starts, counts, 0)  # past a row's pages: never read
-    cu_q = np.concatenate([[0], np.cumsum(counts)])
-    cu_k = np.concatenate([[0], np.cumsum(ends)])
-    return [cu_q, cu_k, ends, table], written, qpos, int(counts.max()), int(ends.max())
+class Varlen:
+    """The backend's entry in the table (backends.py): what it refuses, before loading and once the probe has seen
+    the model (see the module docstring), and the step it describes."""
+
+    name = "varlen"
+
+    def __init__(self, short: int = 1):
+        pass  # every row is one query sequence: no groups to size
+
+    @staticmethod
+    def refuse(device: torch.device, block_size: int) -> str | None:
+        if varlen_attn is None or not PAGED <= set(inspect.signature(varlen_attn).parameters):
+            return (f"--attention varlen needs torch.nn.attention.varlen.varlen_attn with a paged KV cache "
+                    f"({', '.join(sorted(PAGED))}), which torch {torch.__version__} lacks: use --attention sdpa")
+        if device.type != "cuda" or torch.version.hip:
+            return (f"--attention varlen runs on CUDA only (FlashAttention-2), not on "
+                    f"{'ROCm' if torch.version.hip else device.type}: use --attention sdpa")
+        if block_size % PAGE_MULTIPLE:
+            return (f"--attention varlen needs --block-size a multiple of {PAGE_MULTIPLE} (FlashAttention-2's "
+                    f"pages), not {block_size}")
+        capability = torch.cuda.get_device_capability(device)
+        if capability < (8, 0):
+            return (f"--attention varlen needs a GPU of compute capability 8.0 or newer (FlashAttention-2), not "
+                    f"{capability[0]}.{capability[1]}: use --attention sdpa")
+        return None
+
+    @staticmethod
+    def refuse_model(needs: set[str], shapes: list[tuple[int, int, torch.dtype]]) -> str | None:
+        """`needs` and `shapes` (each layer's kv_heads, head_dim, dtype) are probe.probe's."""
+        if needs:
+            return (f"--attention varlen has no {' or '.join(sorted(needs))}, which this model's attention uses: use "
+                    f"--attention sdpa")
+        other = sorted({str(dtype).removeprefix("torch.") for _, _, dtype in shapes} - {"float16", "bfloat16"})
+        if other:
+            return (f"--attention varlen needs float16 or bfloat16 weights, not {', '.join(other)}: add --dtype "
+                    f"bfloat16, or use --attention sdpa")
+        dims = sorted({dim for _, dim, _ in shapes if dim % 8 or dim > 256})
+        if dims:
+            return (f"--attention varlen needs heads of a multiple of 8 up to 256 (FlashAttention-2), not "
+                    f"{', '.join(map(str, dims))}: use --attention sdpa")
+        return None
+
+    @staticmethod
+    def how(device: torch.device) -> str:
+        return "one paged FlashAttention-2 varlen_attn call per layer and step over the pool in place; compiled " \
+               "decode steps keep sdpa"
+
+    @staticmethod
+    def describe(layout: StepLayout) -> tuple[list[np.ndarray], Callable[[list[torch.Tensor]], VarlenStep]]:
+        """The host arrays of a VarlenStep [cu_seq_q, cu_seq_k, seqused_k, block_table], and what makes the step of
+        them once they are on the device (the kernel's index tensors are int32; the host's int64 until they land)."""
+        cu_q = np.concatenate([[0], np.cumsum(layout.counts)])
+        cu_k = np.concatenate([[0], np.cumsum(layout.ends)])
+        arrays = [cu_q, cu_k, layout.ends, layout.padded(0)]  # past a row's pages: never read
+        max_q, max_k = int(layout.counts.max()), layout.width
+
+        def build(tensors: list[torch.Tensor]) -> VarlenStep:
+            cu_seq_q, cu_seq_k, used, table = (t.to(torch.int32) for t in tensors)
+            return VarlenStep(cu_seq_q, cu_seq_k, used, table, max_q, max_k, layout.block_size, layout.zero)
+
+        return arrays, build

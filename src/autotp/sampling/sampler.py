@@ -7,7 +7,7 @@ Order as in HF: temperature, then top-k, then top-p (nucleus), then one multinom
 
 A row whose scores are NaN or +inf anywhere, or all -inf, cannot be sampled (nor argmax'ed meaningfully):
 `pick` reports it as failed instead of raising, so one bad row never takes its batch down. The rules on
-the parameters' ranges are autotp.sampling's; anything they let through is safe here.
+the parameters' ranges are sampling/rules.py's; anything they let through is safe here.
 
 On CUDA every `.item()` or `.tolist()` waits for the device. `sample` draws a batch of rows with one such wait
 (each row's draw, its check and the greedy rows' argmax stay on the device until then), and never hands
@@ -16,22 +16,14 @@ multinomial a distribution it would refuse: on CUDA that is a device-side assert
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from transformers import LogitsProcessor
+
+from autotp.sampling.rules import SamplingParams
 
 
 class SampleError(Exception):
     """This row's scores cannot be sampled; the message says why (the same on every rank)."""
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
-    seed: int = 0
 
 
 class RowSampler:

@@ -1,8 +1,7 @@
-"""One step's attention over the paged KV pool: the step's description and the function every layer calls.
+"""The `sdpa` attention backend, the default: at most two scaled_dot_product_attention calls per layer and step, over
+each row's context gathered out of the paged KV pool.
 
-The runner builds one `StepMeta` per step (model_runner.py), before the forward, and every layer reads it; nothing
-here is recomputed per layer except what depends on the layer (its grouped-query factor, window or bias), and
-even that is built once per step and kept (`Group.mask`). The rows of a step fall in at most two `Group`s:
+The rows of a step fall in at most two `Group`s:
 
 - short rows: every row whose query is at most `short` tokens (a decode row's 1, a drafted row's 1 + K, the
   few tokens a cached prompt still computes), padded to the longest of them;
@@ -14,63 +13,24 @@ not the row's (causality, its length, a sliding window). Grouped-query heads are
 dimension (transformers' `pack_gqa`): kv head j serves the G = heads / kv_heads query heads j*G .. j*G+G-1
 (HF's `repeat_kv` order), so q (R, kv, G*Q, d) attends to k, v (R, kv, L, d) as plain multi-head attention
 and no K/V is ever expanded per query head. That also keeps CUDA's SDPA off its math kernel, which is what a
-masked `enable_gqa=True` call falls back to.
+masked `enable_gqa=True` call falls back to. What depends on the layer (its grouped-query factor, window or bias)
+is built once per step and kept (`Group.mask`).
 
-Biases and soft-capping ride the same calls: ALiBi (`Alibi`) is an additive float mask built from the bias
+Biases and soft-capping ride the same calls: ALiBi (step.Alibi) is an additive float mask built from the bias
 table the family's own forward computed (its slopes, its dtype); logit soft-capping (Gemma 2) takes an
 explicit score path with HF's eager arithmetic, since SDPA has no soft-cap.
-
-This is the `sdpa` backend. A step described for the `flex` backend (flex.py) carries a `FlexStep` instead of
-groups, and `attend` hands it the layer: one flex_attention call over the pool in place; one described for
-`varlen` (varlen.py, CUDA) a `VarlenStep`: one paged FlashAttention-2 call.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from autotp.serve.runner.flex import FlexStep
-    from autotp.serve.runner.varlen import VarlenStep
-
-
-@dataclass
-class Alibi:
-    """A family's ALiBi bias as its forward computed it: table (heads, width), the bias of key column c for
-    each of this rank's heads; from_end: column `width - length + j` holds key j of a row of `length` keys
-    (MPT's bias is relative to the last key), else column j does (BLOOM, Falcon); scale: multiplies it."""
-
-    table: torch.Tensor
-    from_end: bool = False
-    scale: float = 1.0
-
-    def column(self, key: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
-        """The table column of the key at position `key` seen from a query at position `query` (broadcasting),
-        clamped into the table (a column out of it is masked anyway). MPT's bias is relative to the last key; taken
-        relative to each query instead (the same softmax, by shift invariance), so the keys near a query keep their
-        precision in bfloat16."""
-        span = self.table.shape[1]
-        return (span - 1 - query + key if self.from_end else key).clamp(0, span - 1)
-
-
-def pages(size: int, tables: list[list[int]], starts: np.ndarray, counts: np.ndarray,
-          pad: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Rows with block `tables` computing counts[r] tokens from starts[r], as the backends that read the pool in
-    place see them (flex.py, varlen.py), on the host: table (R, W), the blocks each row reads, `pad` past a row's;
-    each new token's row, position and slot, in step order."""
-    ends = starts + counts
-    need = -(-ends // size)  # blocks each row reads
-    table = np.full((len(tables), int(need.max())), pad, dtype=np.int64)
-    for r, t in enumerate(tables):
-        table[r, :need[r]] = t[:need[r]]
-    rows = np.repeat(np.arange(len(tables)), counts)
-    qpos = np.concatenate([np.arange(s, e) for s, e in zip(starts, ends, strict=True)])
-    return table, rows, qpos, table[rows, qpos // size] * size + qpos % size
+from autotp.serve.runner.attention.step import Alibi, StepLayout
 
 
 @dataclass
@@ -121,28 +81,6 @@ class Group:
         return mask
 
 
-@dataclass
-class StepMeta:
-    """One step, as every layer reads it. slot_mapping (tokens,): where each new token's keys and values go;
-    positions (tokens,); groups: at most two (short rows, long rows), or none where flex or varlen (the flex or
-    varlen backend's description) says it all."""
-
-    slot_mapping: torch.Tensor
-    positions: torch.Tensor
-    groups: list[Group]
-    flex: FlexStep | None = None
-    varlen: VarlenStep | None = None
-
-    @property
-    def width(self) -> int:
-        """The longest context in the step: for sdpa a shape, so that a compiled graph keeps it symbolic."""
-        if self.flex is not None:
-            return self.flex.width
-        if self.varlen is not None:
-            return self.varlen.width
-        return max(g.slots.shape[1] for g in self.groups)
-
-
 def _kernel(q, k, v, mask, scale: float | None, softcap: float | None) -> torch.Tensor:
     """q (R, H', Q', d), k and v (R, H', L, d), mask additive (R, 1 or H', Q', L) -> (R, H', Q', d)."""
     if softcap is None:
@@ -153,29 +91,24 @@ def _kernel(q, k, v, mask, scale: float | None, softcap: float | None) -> torch.
     return torch.matmul(F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
-def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, meta: StepMeta, scale: float | None = None,
-           window: int | None = None, softcap: float | None = None, alibi: Alibi | None = None) -> torch.Tensor:
+def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, groups: list[Group],
+           scale: float | None = None, window: int | None = None, softcap: float | None = None,
+           alibi: Alibi | None = None) -> torch.Tensor:
     """query (tokens, heads, d); keys and values: one layer's pool, (slots + 2, kv, d). -> (tokens, heads, d), each
     token attending to its own row's context: one kernel call per group.
 
     A group whose queries are no longer than a head (decode and drafted rows) packs its grouped-query heads into
     the query dimension: its mask grows G-fold, (R, 1, G * Q, L), and no K/V is expanded. A longer group (prefill
     chunks) expands K/V to every query head instead, (R, heads, L, d): for Q > d that is the smaller of the two
-    (StarCoder's 48 heads on a 2048-token chunk: a packed mask of 48 x 2048 x L against K/V of 48 x 128 x L).
-    A step described for flex or varlen is one call of that kernel instead (flex.FlexStep.attend,
-    varlen.VarlenStep.attend)."""
-    if meta.flex is not None:
-        return meta.flex.attend(query, keys, values, scale, window, softcap, alibi)
-    if meta.varlen is not None:
-        return meta.varlen.attend(query, keys, values, scale, window, softcap, alibi)
+    (StarCoder's 48 heads on a 2048-token chunk: a packed mask of 48 x 2048 x L against K/V of 48 x 128 x L)."""
     tokens, heads, dim = query.shape
     kv = keys.shape[1]
     g = heads // kv
     # One group without padding holds every token in step order (rows of equal length, consecutive): its queries
     # are the step's as they stand and its output is the layer's, with no gather and no scatter (a decode step).
-    alone = len(meta.groups) == 1 and meta.groups[0].real is None
+    alone = len(groups) == 1 and groups[0].real is None
     out = None if alone else query.new_empty(tokens, heads, dim)
-    for group in meta.groups:
+    for group in groups:
         rows, q = group.index.shape
         width = group.slots.shape[1]
         flat = group.slots.flatten()  # index_select: 5x faster than indexing with a tensor on CPU
@@ -203,3 +136,88 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, meta: 
         else:
             out.index_copy_(0, group.tokens, o.index_select(0, group.real))
     return out
+
+
+def group(layout: StepLayout, rows: np.ndarray) -> list[np.ndarray]:
+    """Rows `rows` of the layout as one attention group, on the host: [index (R, Q), slots (R, L), qpos (R, Q),
+    ends (R,), and where some queries are padding the flat indices of the real ones and their tokens] (Group)."""
+    size, tables = layout.block_size, [layout.tables[r] for r in rows]
+    starts, counts, firsts = layout.starts[rows], layout.counts[rows], layout.firsts[rows]
+    q, ends = int(counts.max()), starts + counts
+    width = int(ends.max())
+    blocks = -(-width // size)
+    table = np.zeros((len(rows), blocks), dtype=np.int64)
+    for r, t in enumerate(tables):
+        t = t[:blocks]
+        table[r, :len(t)] = t
+    cols = np.arange(width)
+    slots = (table[:, :, None] * size + np.arange(size)).reshape(len(rows), -1)[:, :width]
+    slots[cols[None] >= ends[:, None]] = layout.zero  # past a row's context: the zero slot
+    real = np.arange(q)[None] < counts[:, None]  # (R, Q): not padding
+    index = np.where(real, firsts[:, None] + np.arange(q)[None], firsts[:, None])
+    qpos = np.where(real, starts[:, None] + np.arange(q)[None], 0)  # a padding query sees key 0 alone
+    arrays = [index, slots, qpos, ends]
+    if not real.all():
+        flat = np.flatnonzero(real)
+        arrays += [flat, index.reshape(-1)[flat]]
+    return arrays
+
+
+def grouped(arrays: list[torch.Tensor]) -> Group:
+    """group()'s arrays, on the device, as a Group."""
+    index, slots, qpos, ends, *padding = arrays
+    qpos = qpos[:, None, :, None]
+    visible = torch.arange(slots.shape[1], device=slots.device) <= qpos  # (R, 1, Q, L)
+    return Group(index, slots, visible, qpos, ends[:, None], *padding)
+
+
+@dataclass
+class SdpaStep:
+    """A step as the sdpa backend reads it: at most two groups (short rows, long rows)."""
+
+    groups: list[Group]
+
+    @property
+    def width(self) -> int:
+        """The longest context: a shape, so that a compiled graph keeps it symbolic."""
+        return max(g.slots.shape[1] for g in self.groups)
+
+    def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float | None,
+               window: int | None, softcap: float | None, alibi: Alibi | None) -> torch.Tensor:
+        return attend(query, keys, values, self.groups, scale, window, softcap, alibi)
+
+
+class Sdpa:
+    """The backend's entry in the table (backends.py). short: the longest query the short group takes (1 + the
+    draft length: decode and drafted rows share one call)."""
+
+    name = "sdpa"
+
+    def __init__(self, short: int = 1):
+        self.short = short
+
+    @staticmethod
+    def refuse(device: torch.device, block_size: int) -> str | None:
+        return None
+
+    @staticmethod
+    def refuse_model(needs: set[str], shapes: list[tuple[int, int, torch.dtype]]) -> str | None:
+        return None
+
+    @staticmethod
+    def how(device: torch.device) -> str:
+        return "at most two kernel calls per layer and step"
+
+    def describe(self, layout: StepLayout) -> tuple[list[np.ndarray], Callable[[list[torch.Tensor]], SdpaStep]]:
+        """The host arrays of the step's groups, and what makes the step of them once they are on the device."""
+        parts = [group(layout, np.flatnonzero(m)) for m in (layout.counts <= self.short, layout.counts > self.short)
+                 if m.any()]
+
+        def build(tensors: list[torch.Tensor]) -> SdpaStep:
+            groups, at = [], 0
+            for arrays in parts:
+                groups.append(grouped(tensors[at:at + len(arrays)]))
+                at += len(arrays)
+            return SdpaStep(groups)
+
+        return [a for arrays in parts for a in arrays], build

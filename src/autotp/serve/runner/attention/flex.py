@@ -30,38 +30,22 @@ CPU lowering takes no dynamic shapes: a C++ compile error, and it wants `kv_indi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from autotp.errors import AutotpError
-from autotp.serve.runner.attention import Alibi, pages
+from autotp.serve.runner.attention.step import Alibi, StepLayout
 
 try:
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
-except ImportError:  # torch before 2.5: the backend is refused by `choose`
+except ImportError:  # torch before 2.5: the backend is refused by `Flex.refuse`
     BlockMask = flex_attention = None
 
 Q_BLOCK = 16  # query tokens per BlockMask row: the smallest query tile flex's CUDA kernel takes (vLLM's choice)
 _compiled = None  # flex_attention under torch.compile, made on first use
-
-
-def choose(requested: str, device: torch.device, block_size: int) -> str:
-    """The backend a server runs, `requested`, or a one-line error where it cannot serve. sdpa is the default
-    everywhere, CUDA included, until flex's compiled CUDA kernel has run on a GPU (benchmarks/gpu_decode.py
-    --attention sdpa flex): an untried default that recompiled per step shape, or fell back to eager flex (scores
-    against the whole pool), would cost a GPU user far more than sdpa's two calls per layer."""
-    if requested != "flex":
-        return requested
-    if flex_attention is None:
-        raise AutotpError(f"--attention flex needs torch.nn.attention.flex_attention, which torch {torch.__version__} "
-                          f"lacks (2.5 or later): use --attention sdpa")
-    if device.type == "cuda" and (block_size < 16 or block_size & (block_size - 1)):
-        # flex's KV block is the cache block here, and its CUDA kernel tiles KV by a power of two >= 16
-        raise AutotpError(f"--attention flex on CUDA needs --block-size a power of two of at least 16, not "
-                          f"{block_size}")
-    return requested
 
 
 def kv_blocks(rows: np.ndarray, qpos: np.ndarray, table: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -169,10 +153,48 @@ def _kernel(q: torch.Tensor):
     return _compiled
 
 
-def describe(size: int, num_blocks: int, tables: list[list[int]], starts: np.ndarray,
-             counts: np.ndarray) -> tuple[list[np.ndarray], np.ndarray, int]:
-    """The host arrays of a FlexStep for rows with block `tables` computing counts[r] tokens from starts[r]:
-    [rows, qpos, table, logical, kv_num_blocks, kv_indices], each new token's slot, and the longest context."""
-    table, rows, qpos, written = pages(size, tables, starts, counts, -1)
-    return [rows, qpos, table, logical_index(table, num_blocks), *kv_blocks(rows, qpos, table, size)], written, \
-        int((starts + counts).max())
+class Flex:
+    """The backend's entry in the table (backends.py)."""
+
+    name = "flex"
+
+    def __init__(self, short: int = 1):
+        pass  # every row is one query sequence: no groups to size
+
+    @staticmethod
+    def refuse(device: torch.device, block_size: int) -> str | None:
+        """sdpa stays the default everywhere, CUDA included, until flex's compiled CUDA kernel has run on a GPU
+        (benchmarks/gpu_decode.py --attention sdpa flex): an untried default that recompiled per step shape, or fell
+        back to eager flex (scores against the whole pool), would cost a GPU user far more than sdpa's two calls."""
+        if flex_attention is None:
+            return (f"--attention flex needs torch.nn.attention.flex_attention, which torch {torch.__version__} lacks "
+                    f"(2.5 or later): use --attention sdpa")
+        if device.type == "cuda" and (block_size < 16 or block_size & (block_size - 1)):
+            # flex's KV block is the cache block here, and its CUDA kernel tiles KV by a power of two >= 16
+            return f"--attention flex on CUDA needs --block-size a power of two of at least 16, not {block_size}"
+        return None
+
+    @staticmethod
+    def refuse_model(needs: set[str], shapes: list[tuple[int, int, torch.dtype]]) -> str | None:
+        return None  # ALiBi and soft-capping are score_mods
+
+    @staticmethod
+    def how(device: torch.device) -> str:
+        if device.type == "cuda":
+            return "one compiled flex_attention call per layer and step over the pool in place; compiled decode " \
+                   "steps keep sdpa"
+        return "one eager flex_attention call per layer and step, which materializes scores against the whole " \
+               "pool: a reference for small pools, slower than sdpa"
+
+    @staticmethod
+    def describe(layout: StepLayout) -> tuple[list[np.ndarray], Callable[[list[torch.Tensor]], FlexStep]]:
+        """The host arrays of a FlexStep [rows, qpos, table, logical, kv_num_blocks, kv_indices], and what makes the
+        step of them once they are on the device."""
+        table = layout.table  # -1 past a row's blocks
+        arrays = [layout.rows, layout.positions, table, logical_index(table, layout.num_blocks),
+                  *kv_blocks(layout.rows, layout.positions, table, layout.block_size)]
+
+        def build(tensors: list[torch.Tensor]) -> FlexStep:
+            return FlexStep(*tensors, layout.block_size, layout.zero, layout.width)
+
+        return arrays, build

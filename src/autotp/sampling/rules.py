@@ -27,6 +27,16 @@ class SamplingError(ValueError):
 
 
 @dataclass(frozen=True)
+class SamplingParams:
+    """One row's draw: what the sampler (sampler.py) needs, and what `autotp serve` sends its ranks with a new row."""
+
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    seed: int = 0
+
+
+@dataclass(frozen=True)
 class Sampling:
     temperature: float  # 0: greedy (also for a requested temperature below GREEDY_BELOW)
     top_p: float

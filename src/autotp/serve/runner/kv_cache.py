@@ -11,17 +11,18 @@ The model stays Hugging Face's. One forward runs a whole step: every row's new t
 (1, tokens) input, decode rows and prefill chunks alike. HF's attention modules call `cache.update(k, v,
 layer_idx)` (here: write the new keys and values into their slots) and then either the function registered as
 `ATTENTION` in transformers' `AttentionInterface` (`paged_attention`), or, for the families whose attention is
-computed inline (BLOOM, Falcon, MPT), their adapter (adapters.py). Both call `PagedCache.attend`, which reads
-each row's context from the pool as the step's description (attention.StepMeta) says.
+computed inline (BLOOM, Falcon, MPT), their adapter (adapters.py). Both call `StepCache.attend`, which reads
+each row's context from the pool as the step's description (attention/step.StepMeta) says.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from transformers import AttentionInterface
 
 from autotp.errors import AutotpError
-from autotp.serve.runner.attention import Alibi, StepMeta, attend
+from autotp.serve.runner.attention.step import Alibi, StepMeta, ship
 
 ATTENTION = "autotp_paged"
 
@@ -49,14 +50,14 @@ class KvPool:
         and values, in every layer (a new row's prompt shares m tokens with a known block: blocks.BlockPool.extend).
         Two ops per layer, whatever the number of copies."""
         size = self.block_size
-        src = torch.tensor([s * size + i for s, _, m in copies for i in range(m)], device=self.keys[0].device)
-        dst = torch.tensor([d * size + i for _, d, m in copies for i in range(m)], device=self.keys[0].device)
+        src, dst = ship([np.array([s * size + i for s, _, m in copies for i in range(m)]),
+                         np.array([d * size + i for _, d, m in copies for i in range(m)])], self.keys[0].device)
         with torch.no_grad():
             for t in (*self.keys, *self.values):
                 t.index_copy_(0, dst, t.index_select(0, src))
 
 
-class PagedCache:
+class StepCache:
     """What HF's attention calls `update` on, and what it attends through.
 
     pool None: the probe, which only records each layer's (kv_heads, head_dim, dtype) and the layers that attend."""
@@ -82,14 +83,14 @@ class PagedCache:
     def attend(self, layer_idx: int, query: torch.Tensor, scale: float | None = None, window: int | None = None,
                softcap: float | None = None, alibi: Alibi | None = None) -> torch.Tensor:
         """query (1, heads, tokens, head_dim) -> (1, tokens, heads, head_dim): every token over its own row's
-        context (attention.attend); zeros in the probe, which records what the layer asked for (`needs`)."""
+        context (the step's attention backend); zeros in the probe, which records what the layer asked for (`needs`)."""
         if self.pool is None:
             self.attended.add(layer_idx)
             self.needs |= {"soft-capping"} if softcap is not None else set()
             self.needs |= {"ALiBi"} if alibi is not None else set()
             return query.new_zeros(1, query.shape[2], query.shape[1], query.shape[3])
         keys, values = self.pool.keys[layer_idx], self.pool.values[layer_idx]
-        out = attend(query[0].transpose(0, 1), keys, values, self.meta, scale, window, softcap, alibi)
+        out = self.meta.attention.attend(query[0].transpose(0, 1), keys, values, scale, window, softcap, alibi)
         return out[None]
 
     # What HF's model-level forwards ask a cache before their layers run. Positions are always given, and the
@@ -110,7 +111,7 @@ class PagedCache:
 
 def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
                     scaling: float | None = None, dropout: float = 0.0, sliding_window: int | None = None,
-                    softcap: float | None = None, paged: PagedCache | None = None,
+                    softcap: float | None = None, paged: StepCache | None = None,
                     **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention interface: query (1, heads, tokens, head_dim) -> (1, tokens, heads, head_dim).
     attention_mask is unused: the step's description says who sees what."""
