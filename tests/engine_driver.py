@@ -225,7 +225,7 @@ def dist_module():
 
 def step_collectives(model_dir: str, tokenizer_dir: str) -> dict | None:
     """A pool task: the collectives of one bare decode forward, and of each engine step with the rows'
-    work it ran (wire.Step.work)."""
+    work it ran (lockstep/step.Step.work)."""
     from transformers import AutoTokenizer, DynamicCache
 
     import autotp

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import openai
 from pool import free_port
+from prometheus_client.parser import text_string_to_metric_families
 
 START_TIMEOUT_S = 180
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -119,3 +120,16 @@ class Server:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=30)
+
+
+def metrics(server) -> dict[str, float]:
+    """Every sample of /metrics, by name{labels}."""
+    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "le")
+            if "le" not in s.labels:
+                out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+    return out

@@ -200,7 +200,7 @@ def test_quantized_rows_get_what_one_process_gives(pools, tokenizer, tmp_path, k
     """`autotp serve --quantize`: the engine at tp 2 on a quantized multi-query model gives each row the tokens
     the same model quantized in one process gives it alone (test_quant's shapes: groups of 32 stay whole)."""
     from engine_driver import serve_rows
-    from test_quant import GROUP, config
+    from quant_models import GROUP, config
 
     import autotp
 

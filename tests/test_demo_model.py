@@ -6,7 +6,7 @@ import zipfile
 
 import pytest
 import torch
-from test_cli import cli
+from commands import cli
 from transformers import AutoTokenizer
 
 from autotp.cli import default_model

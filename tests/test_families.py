@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from checkpoints import LOGIT_ATOL
 from families import FAMILIES, GLOBAL_SIZES, build, config, rank_outputs, reference, save_fused
 from safetensors.torch import load_file
-from test_parity import LOGIT_ATOL
 
 from autotp.errors import AutotpError
 from autotp.loading.checkpoint import Checkpoint

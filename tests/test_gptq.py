@@ -196,7 +196,7 @@ def test_tp_greedy_tokens_equal_the_librarys_single_process_ones(pools, name):
 
 def test_autotp_generate_under_torchrun_gives_the_librarys_tokens():
     """From the user's side: `torchrun ... autotp generate` on the checkpoint directory, nothing GPTQ-specific."""
-    from test_cli import torchrun
+    from commands import torchrun
 
     _, facts = oracle("v1_sym")
     ids = ",".join(map(str, facts["prompt"][0]))

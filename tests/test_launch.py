@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
+from commands import by_hand, cli, error_lines, run
 from serve_harness import Server, alive, children
-from test_cli import by_hand, cli, error_lines, run
 
 from autotp.launch import outcome
 

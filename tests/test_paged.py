@@ -1,4 +1,4 @@
-"""The paged engine: the block pool and its prefix cache by hand, the planner's rules, and rows served from
+"""The paged engine: the block pool and its prefix cache by hand, budgets through the engine, and rows served from
 cached blocks against the same rows computed cold (the oracle: HF `generate` of the prompt alone).
 
 A prompt served from cached blocks is computed in other chunks than cold (its prefix in an earlier
@@ -287,3 +287,21 @@ def test_a_cached_block_under_another_parent_is_not_served(tokenizer):
         scores = model(torch.tensor([prompt + want])).logits[0, len(prompt) - 1:-1].log_softmax(-1)
     got = [e.logprob for e in served.result.logprobs]
     assert got == pytest.approx([scores[i, t].item() for i, t in enumerate(want)], abs=1e-4)
+
+
+def test_under_memory_pressure_a_prompt_whose_prefix_is_cached_waits_for_room_and_gets_its_cold_tokens(tokenizer):
+    """An editor's pattern with the cache nearly full: a file's prompt is cached, a long request takes most of the
+    pool, and the file comes back with a few tokens more. Its cached prefix is idle room it takes too: it waits until
+    the long request leaves, then gets the tokens it gets cold (admitted by its new blocks alone, it was promised
+    blocks that were not there, and the next step raised `cannot reserve`: 503 for every request)."""
+    model = any_model("llama")
+    engine = engine_for(model, tokenizer, limits=Limits(4, 64, 24))  # 6 blocks of 4
+    g = torch.Generator().manual_seed(7)
+    file = torch.randint(0, 101, (9,), generator=g).tolist()
+    drive(engine, {0: [job(file, 1, index=0)]})  # 2 full blocks and a tail cached, idle
+    long = job(torch.randint(0, 101, (12,), generator=g).tolist(), 2, index=1)  # 13 slots: 4 blocks
+    again = job(file[:8] + [7], 4, index=2)  # 2 cached blocks + 1 new, holding the 2 idle ones
+    drive(engine, {0: [long, again]})
+    assert [tokens_of(j.ended) for j in (long, again)] == [
+        generate(model, torch.tensor([j.row.ids]), max_new_tokens=n)[0, len(j.row.ids):].tolist()
+        for j, n in ((long, 2), (again, 4))]

@@ -2,7 +2,7 @@
 
 
 import pytest
-from test_cli import cli
+from commands import cli
 
 from autotp.sampling.rules import SEED_MAX, SEED_MIN, SamplingError, check_sampling
 

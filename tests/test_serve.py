@@ -20,9 +20,9 @@ from pathlib import Path
 import fim_model
 import openai
 import pytest
+from commands import cli
 from pool import free_port
 from serve_harness import ENV, Server, alive
-from test_cli import cli
 
 from autotp.serve.engine.text import TextStream, cut_at_stop
 

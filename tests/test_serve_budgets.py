@@ -51,6 +51,43 @@ def test_a_request_that_could_never_fit_the_cache_is_400_at_once(server):
     assert server.client.completions.create(model=server.model_id, prompt="x", max_tokens=2).usage.completion_tokens
 
 
+def test_a_request_that_exactly_fits_the_cache_is_answered_and_the_next_one_too(server):
+    """prompt + max_tokens - 1 slots is a row's whole life (its last token is never fed back): 4 prompt tokens and
+    93 new ones fill the 96 slots exactly. It is served, and a request sent after it is answered; one token more
+    is 400 at once."""
+    prompt = [5, 6, 7, 8]
+    with pytest.raises(openai.BadRequestError, match="can never fit the KV cache of 96 tokens per rank"):
+        server.client.completions.create(model=server.model_id, prompt=prompt, max_tokens=94)
+    exact = server.client.completions.create(model=server.model_id, prompt=prompt, max_tokens=93, temperature=0)
+    assert exact.choices[0].finish_reason in ("length", "stop")
+    assert server.client.completions.create(model=server.model_id, prompt="x", max_tokens=3).usage.completion_tokens
+
+
+def test_the_routers_load_counts_the_waiting_requests_and_their_prompts(server):
+    """SGLang's router sums /get_load's num_tokens and reads num_reqs: a running request and one waiting behind it
+    are two, and the waiting one's prompt tokens count with the running one's KV slots."""
+    running = server.client.completions.create(model=server.model_id, prompt="def f(x):", max_tokens=60,
+                                               temperature=0, stream=True)
+    chunks = iter(running)
+    next(chunks)  # the one sequence slot is taken
+    waiter = threading.Thread(target=lambda: server.client.completions.create(
+        model=server.model_id, prompt=[5, 6, 7, 8, 9, 10, 11], max_tokens=2, temperature=0))
+    waiter.start()
+    try:
+        deadline = time.monotonic() + 30
+        while waiting(server) < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        with urllib.request.urlopen(server.url + "/get_load", timeout=10) as r:
+            (load,) = json.loads(r.read())
+    finally:
+        for _ in chunks:
+            pass
+        waiter.join(timeout=60)
+    assert (load["num_reqs"], load["num_waiting_reqs"]) == (2, 1)
+    assert load["num_tokens"] >= 16 + 7  # at least one block of the running row, and the waiting row's 7 tokens
+
+
 def waiting(server) -> float:
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -109,3 +146,33 @@ def test_a_gpu_memory_utilization_outside_0_to_1_is_refused_in_one_line(value):
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and out.stderr.splitlines() == [
         f"autotp: error: argument --gpu-memory-utilization: must be in (0, 1], got {float(value)}"]
+
+
+def cpu_budget(tp: int) -> tuple[int, int] | None:
+    """A pool task: this rank's KV budget on CPU (startup/budget.size without --kv-cache-memory), with the host's
+    available memory read as 8 GiB; -> (its bytes, tp) on rank 0."""
+    import torch
+    import torch.distributed as dist
+    from checkpoints import build
+
+    from autotp.serve.lockstep.wire import Channel
+    from autotp.serve.options import ServeOptions
+    from autotp.serve.runner.attention.sdpa import Sdpa
+    from autotp.serve.startup import budget
+
+    budget.available_bytes = lambda: 8 * 2**30
+    channel = Channel()
+    try:
+        opts = ServeOptions(max_num_seqs=10**6, max_num_batched_tokens=10**6)  # so memory, not the rows, sizes it
+        cache = budget.size(build("mqa12"), channel, dist.get_rank(), torch.device("cpu"), opts, 64, Sdpa)
+    finally:
+        channel.close()
+    return (cache.tokens * cache.per_token, tp) if dist.get_rank() == 0 else None
+
+
+@pytest.mark.parametrize("tp", [2, 3, 4])
+def test_the_ranks_of_one_host_share_half_its_available_memory_for_the_cache(pools, tp):
+    """On CPU the cache may hold half of what the host has available, shared by the host's ranks: at tp 4 the
+    ranks together take 0.5x, never 4 x 0.5x, whatever the launcher says of the local world size."""
+    got, _ = pools(tp).run(cpu_budget, tp)[0]
+    assert 8 * 2**30 * 0.5 / tp - 64 * 4096 <= got <= 8 * 2**30 * 0.5 / tp  # whole blocks of a few KiB

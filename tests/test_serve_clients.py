@@ -20,11 +20,10 @@ import fim_model
 import openai
 import pytest
 import torch
+from commands import cli
 from huggingface_hub import InferenceClient
 from huggingface_hub.errors import ValidationError
-from prometheus_client.parser import text_string_to_metric_families
-from serve_harness import Server
-from test_cli import cli
+from serve_harness import Server, metrics
 
 from autotp.generate import generate
 
@@ -64,19 +63,6 @@ def reference_logprobs(unsharded, ids: list[int]) -> torch.Tensor:
     model, _ = unsharded
     with torch.no_grad():
         return torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), dim=-1)
-
-
-def metrics(server) -> dict[str, float]:
-    """Every sample of /metrics, by name{labels}."""
-    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "le")
-            if "le" not in s.labels:
-                out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
-    return out
 
 
 def sse(server, path: str, body: dict, **headers) -> list[str]:

@@ -16,10 +16,10 @@ import json
 import pytest
 import sentencepiece_model
 import torch
+from commands import cli
 from fim_model import CHAT_TEMPLATE
 from huggingface_hub import InferenceClient
 from serve_harness import Server
-from test_cli import cli
 
 from autotp.generate import generate
 

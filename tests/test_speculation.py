@@ -1,5 +1,6 @@
-"""Prompt-lookup speculation (`autotp serve --speculate K`): drafts found by hand, the planner's entries, and
-rows with drafts against the same rows without (the oracle: HF `generate`, and the engine without drafts).
+"""Prompt-lookup speculation (`autotp serve --speculate K`): drafts found by hand (the scheduler's entries:
+test_scheduler.py), and rows with drafts against the same rows without (the oracle: HF `generate`, and the engine
+without drafts).
 
 A drafted token stands only where the row's own sampler drew it, so a row's tokens are the same with and
 without speculation: greedy and seeded alike. The random test models rarely repeat their prompt, so they test
@@ -183,7 +184,7 @@ def test_a_client_of_a_speculating_server_gets_the_text_it_gets_without(demo, tm
         stream = server.client.completions.create(model=server.model_id, prompt=CODE, max_tokens=40, temperature=0,
                                                   stream=True)
         assert "".join(c.choices[0].text for c in stream if c.choices) == answer.choices[0].text
-        from test_serve_clients import metrics
+        from serve_harness import metrics
 
         seen = metrics(server)
         assert seen["autotp:spec_decode_num_accepted_tokens_total"] > 0

@@ -14,7 +14,7 @@ import math
 
 import pytest
 import torch
-from test_attention import LAYOUTS, ROWS, attend, dense, step
+from attention_cases import LAYOUTS, ROWS, attend, dense, step
 
 from autotp.errors import AutotpError
 from autotp.serve.runner.attention import varlen

@@ -19,7 +19,7 @@ class ServeOptions:
     port: int = 8000
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 2048
-    kv_cache_memory: int | None = None  # bytes per rank; None: from the free memory (budget.py)
+    kv_cache_memory: int | None = None  # bytes per rank; None: from the free memory (startup/budget.py)
     gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION  # vLLM's flag: share of the GPU's memory
     max_queue: int = 256
     max_model_len: int | None = None

@@ -1,6 +1,6 @@
 """The KV cache's blocks as rank 0 accounts for them: free, held by rows, or cached for a later prompt.
 
-Pure bookkeeping on block ids (no torch): the tensors live in paged.py, on every rank, and every rank
+Pure bookkeeping on block ids (no torch): the tensors live in runner/kv_cache.py, on every rank, and every rank
 reads the block tables rank 0 sends. A block holds the keys and values of `block_size` consecutive tokens
 of one sequence, in every layer.
 

@@ -37,13 +37,13 @@ class Implementation:
             c._attn_implementation = name
 
 
-MASKS = {"full_attention", "sliding_attention"}  # causal, and causal within a window: what attention.py masks
+MASKS = {"full_attention", "sliding_attention"}  # causal, and causal within a window: what the backends mask
 
 
 def probe(model, needs: set[str] | None = None) -> list[tuple[int, int, torch.dtype]]:
     """This rank's (kv_heads, head_dim, dtype) of every layer; raises where the model's attention does not reach
     the pool. Every rank calls it together: it is a forward. `needs`, where given, gets what some layer's attention
-    asks beyond a causal mask and a window ("ALiBi", "soft-capping"): what a backend may not do (varlen.refuse)."""
+    asks beyond a causal mask and a window ("ALiBi", "soft-capping"): what a backend may not do (its refuse_model)."""
     config = model.config
     kinds = set(getattr(config, "layer_types", None) or ()) - MASKS
     if kinds:  # chunked (Llama 4), linear or bidirectional layers: masks the paged attention does not make

@@ -1,6 +1,6 @@
 """The `flex` attention backend: one `flex_attention` call per layer and step, reading the KV pool in place.
 
-The sdpa backend (attention.py) gathers each row's context out of the pool and pads rows into at most two
+The sdpa backend (sdpa.py) gathers each row's context out of the pool and pads rows into at most two
 groups. Here nothing is gathered: one layer's whole pool is one long key sequence, (1, kv, slots, d), a view of
 KvPool's (slots + 2, kv, d) tensor without its zero and scratch slots, and the step's tokens, every row's, are
 one query sequence (1, heads, tokens, d). What a token may see is said twice, as vLLM v1's FlexAttention backend
