@@ -163,6 +163,26 @@ def seeds(seed: int | None, n: int) -> list[int]:
     return [s - 2**64 if s > SEED_MAX else s for s in (seed + j for j in range(n))]
 
 
+def context_of(served: Served) -> int:
+    """The tokens one row may hold: the context, or the KV cache's slots per rank where those are fewer."""
+    return min(served.max_model_len, served.kv_tokens)
+
+
+def prompt_budget(context: int, max_tokens: int | None) -> int:
+    """The tokens a prompt that can be cut (a FIM prompt: fim.py's budget rule) may keep: the context less the room
+    it leaves for generating, max_tokens but at most half the context (None, as many as fit: half). An editor
+    that asks for 4096 tokens in a context of 512 gets a 256-token prompt, not a refusal."""
+    return context - (context // 2 if max_tokens is None else min(max_tokens, context // 2))
+
+
+def room(context: int, prompt_tokens: int, max_tokens: int | None) -> int:
+    """What a row may generate after its prompt: max_tokens, or what the context leaves where that is less (the
+    completion then ends with finish_reason "length"); None: all the context leaves. The rule of llama-server
+    and TGI for editors; OpenAI's routes refuse instead (context_length_exceeded) where the prompt cannot be cut."""
+    left = context - prompt_tokens
+    return left if max_tokens is None else min(max_tokens, left)
+
+
 def stop_strings(stop: str | list[str] | None, param: str = "stop") -> tuple[str, ...]:
     stops = [stop] if isinstance(stop, str) else stop or []
     if len(stops) > MAX_STOP:
