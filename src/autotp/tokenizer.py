@@ -1,4 +1,5 @@
-"""Tokenizers for `autotp generate` and `autotp serve`: loading one, and StarCoder's fill-in-the-middle prompt.
+"""Tokenizers for `autotp generate` and `autotp serve`: loading one, and the file-level fill-in-the-middle prompt
+in the tokenizer's own FIM tokens (fim.py formats it).
 
 No torch here (transformers is imported only when a tokenizer is loaded), so the serve API boundary can
 use it. Encoding and decoding are the tokenizer's own; this module does not wrap them.
@@ -7,8 +8,8 @@ use it. Encoding and decoding are the tokenizer's own; this module does not wrap
 from __future__ import annotations
 
 from autotp.errors import AutotpError
+from autotp.fim import FimError, fim_text
 
-FIM_TOKENS = ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")
 PROBE = "def hello(): return 0"  # any usable tokenizer encodes this to some tokens (an unknown-token id at worst)
 
 
@@ -42,9 +43,9 @@ def load_tokenizer(source: str, missing: str | None = None):
 
 
 def fim_prompt(tokenizer, prefix: str, suffix: str) -> str:
-    """StarCoder's prefix-suffix-middle prompt; the model writes the middle."""
-    vocab = tokenizer.get_vocab()
-    missing = [t for t in FIM_TOKENS if t not in vocab]
-    if missing:
-        raise AutotpError(f"--suffix needs fill-in-the-middle tokens, and this tokenizer lacks {', '.join(missing)}")
-    return f"<fim_prefix>{prefix}<fim_suffix>{suffix}<fim_middle>"
+    """The prefix-suffix-middle prompt, `<fim_prefix>{prefix}<fim_suffix>{suffix}<fim_middle>` in StarCoder's
+    tokens (in Qwen2.5-Coder's where the tokenizer has those); the model writes the middle."""
+    try:
+        return fim_text(tokenizer, prefix, suffix)
+    except FimError as e:
+        raise AutotpError(f"--suffix needs fill-in-the-middle tokens: {e}") from None
