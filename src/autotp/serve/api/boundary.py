@@ -16,6 +16,7 @@ from functools import cached_property
 from pydantic import BaseModel, ValidationError
 
 from autotp.errors import AutotpError
+from autotp.fim import Chunk, FimError, fim_ids
 from autotp.sampling.rules import SEED_MAX, SamplingError, check_sampling
 from autotp.serve.types import Result, Row, kv_slots
 from autotp.tokenizer import fim_prompt
@@ -181,6 +182,46 @@ def room(context: int, prompt_tokens: int, max_tokens: int | None) -> int:
     and TGI for editors; OpenAI's routes refuse instead (context_length_exceeded) where the prompt cannot be cut."""
     left = context - prompt_tokens
     return left if max_tokens is None else min(max_tokens, left)
+
+
+@dataclass(frozen=True)
+class Fitted:
+    """A fill-in-the-middle prompt fitted to the context (fit_fim)."""
+
+    ids: tuple[int, ...]
+    max_tokens: int  # what its row may generate: the request's, or what the context leaves if less
+    truncated: bool  # text was left out of the prompt (fim.py's budget rule)
+    capped: bool  # max_tokens is less than the request's (or it asked for as many as fit): a row that ends by
+    # length has filled the context
+    context_tokens: int  # its first tokens that do not depend on the cursor (fim.FimPrompt)
+
+
+def fit_fim(served: Served, prefix: str, suffix: str, max_tokens: int | None, *, extra: tuple[Chunk, ...] = (),
+            lead: str = "", param: str = "prompt") -> Fitted:
+    """The FIM prompt of every FIM route (/infill, OpenAI's suffix, a prompt written in FIM form), cut to the
+    budget rule instead of refused: the prompt keeps prompt_budget's room, the row generates what it leaves
+    (`room`). Text beyond what could ever fit is dropped before tokenizing (max_prompt_chars nearest the cursor;
+    the newest files within it), so a megabyte costs no more than the context. The caller checks first that the
+    tokenizer has FIM tokens (fim.layout_of); a frame (or `lead`) that alone exceeds the budget is an ApiError."""
+    limit, context = served.max_prompt_chars, context_of(served)
+    files, chars = [], 0
+    for chunk in reversed(extra):  # newest first: the oldest are the ones the budget rule leaves out
+        chars += len(chunk.text) + len(chunk.path)
+        if chars > limit:
+            break
+        files.insert(0, chunk)
+    if len(lead) > limit:
+        raise _too_long(served, f"at least {len(lead) // (limit // served.max_model_len)}", max_tokens or 1, param,
+                        "max_tokens")
+    try:
+        fim = fim_ids(served.tokenizer, prefix[-limit:], suffix[:limit], extra=tuple(files), lead=lead,
+                      budget=prompt_budget(context, max_tokens))
+    except FimError as e:
+        raise ApiError(400, str(e), param=param, code="context_length_exceeded") from None
+    left = room(context, len(fim.ids), max_tokens)
+    checked_ids(served, fim.ids, left, param)  # the vocabulary; the context and the KV cache fit by construction
+    truncated = fim.truncated or len(files) < len(extra) or len(prefix) > limit or len(suffix) > limit
+    return Fitted(fim.ids, left, truncated, max_tokens is None or left < max_tokens, fim.context_tokens)
 
 
 def stop_strings(stop: str | list[str] | None, param: str = "stop") -> tuple[str, ...]:
