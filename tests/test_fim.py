@@ -180,3 +180,16 @@ def test_a_prompt_written_in_fim_form_splits_back_into_its_pieces(tokenizers):
     assert fim.split_fim(tok, "def add(a, b):") is None  # not FIM
     assert fim.split_fim(tok, sent + "    return") is None  # its middle already begun: not cut
     assert fim.split_fim(tokenizers["plain"], sent) is None
+
+
+def test_openai_suffix_still_gets_the_prompt_it_got(tmp_path):
+    """OpenAI's `suffix` (boundary.prompt_ids through tokenizer.fim_prompt) tokenizes the same text as before fim.py:
+    StarCoder's three tokens around the prompt and the suffix."""
+    import fim_model
+
+    from autotp.serve.api.boundary import Served, prompt_ids
+
+    tok = fim_model.tokenizer(tmp_path)
+    served = Served("demo", tok, 512, 0, 4096)
+    ids = prompt_ids(served, "def add(a, b):\n    ", "\n    return c\n", 16)
+    assert list(ids) == tok("<fim_prefix>def add(a, b):\n    <fim_suffix>\n    return c\n<fim_middle>").input_ids
