@@ -150,7 +150,7 @@ def _check_inert(body: Body, chain: tuple[str, ...]) -> None:
             raise invalid(name, f"{name} is not supported by autotp serve; leave it out")
 
 
-class Request:
+class Asked:
     """What parse_infill and parse_completion read alike: the completions asked for and how to sample them."""
 
     def __init__(self, body: Body, served: Served):
@@ -179,8 +179,8 @@ class Request:
             temperature, top_p = 0.0, 1.0
         seed = None if body.seed in RANDOM_SEEDS else body.seed
         self.sampling = sampling(served, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=1)
-        words = [w for w in ([body.stop] if isinstance(body.stop, str) else body.stop or []) if w]  # llama-server
-        # skips an empty stop word
+        given = [body.stop] if isinstance(body.stop, str) else body.stop or []
+        words = [w for w in given if w]  # llama-server skips an empty stop word
         if len(words) > MAX_STOP:
             raise invalid("stop", f"at most {MAX_STOP} stop strings, got {len(words)}")
         self.stop = tuple(words)
@@ -202,16 +202,16 @@ def _no_fim(served: Served, e: FimError) -> ApiError:
 def parse_infill(raw: bytes, served: Served) -> Parsed:
     """POST /infill bytes -> one row per completion (n_cmpl) of the FIM prompt; raises ApiError."""
     body = validate(InfillBody, parse_json(raw))
-    request = Request(body, served)
+    asked = Asked(body, served)
     try:
         stops = stop_ids(served.tokenizer)
     except FimError as e:
         raise _no_fim(served, e) from None
     extra = tuple(Chunk(c.text, c.filename or "") for c in body.input_extra or ())
-    fitted = fit_fim(served, body.input_prefix + body.prompt, body.input_suffix, request.max_tokens, extra=extra,
+    fitted = fit_fim(served, body.input_prefix + body.prompt, body.input_suffix, asked.max_tokens, extra=extra,
                      param="input_prefix")
-    rows = request.rows(fitted.ids, fitted.max_tokens, stops)
-    return Parsed(rows, request.stream, Native(served, request, [fitted] * len(rows)))
+    rows = asked.rows(fitted.ids, fitted.max_tokens, stops)
+    return Parsed(rows, asked.stream, Native(served, asked, [fitted] * len(rows)))
 
 
 class ContextFull(ApiError):
@@ -243,7 +243,7 @@ def parse_completion(raw: bytes, served: Served) -> Parsed:
     """POST /completion bytes -> rows: each prompt (a text, token ids, or a list of them) times n_cmpl. A text in
     the tokenizer's FIM form is a FIM prompt and is cut as /infill's is; any other is whole or refused."""
     body = validate(CompletionBody, parse_json(raw))
-    request = Request(body, served)
+    asked = Asked(body, served)
     one = isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int))
     prompts = [body.prompt] if one else body.prompt
     if not prompts:
@@ -252,13 +252,13 @@ def parse_completion(raw: bytes, served: Served) -> Parsed:
     for prompt in prompts:
         split = split_fim(served.tokenizer, prompt) if isinstance(prompt, str) else None
         if split is None:
-            fitted, stops = _plain(served, prompt, request.max_tokens), ()
+            fitted, stops = _plain(served, prompt, asked.max_tokens), ()
         else:
-            fitted = fit_fim(served, split.prefix, split.suffix, request.max_tokens, lead=split.lead)
+            fitted = fit_fim(served, split.prefix, split.suffix, asked.max_tokens, lead=split.lead)
             stops = stop_ids(served.tokenizer)
-        rows += request.rows(fitted.ids, fitted.max_tokens, stops)
-        fits += [fitted] * request.n
-    return Parsed(rows, request.stream, Native(served, request, fits))
+        rows += asked.rows(fitted.ids, fitted.max_tokens, stops)
+        fits += [fitted] * asked.n
+    return Parsed(rows, asked.stream, Native(served, asked, fits))
 
 
 def compact(item: dict | list) -> str:
@@ -299,9 +299,9 @@ class Native:
     """The answers of /infill and /completion: llama-server's completion object per row (an array when there are
     several), or its server-sent events: one per token, then the row's final object (content "" there)."""
 
-    def __init__(self, served: Served, request: Request, fits: list[Fitted]):
-        self.served, self.request, self.fits = served, request, fits
-        self.prepare = request.n_predict == 0
+    def __init__(self, served: Served, asked: Asked, fits: list[Fitted]):
+        self.served, self.asked, self.fits = served, asked, fits
+        self.prepare = asked.n_predict == 0
         self.sent: dict[int, int] = {}  # tokens streamed per row
         self.pending: dict[int, list[int]] = {}  # ids of tokens whose text is held back
         self.rows: list[Row] = []
@@ -317,7 +317,7 @@ class Native:
         return text, list(result.tokens), "word" if result.stopped_by else kind, result.stopped_by
 
     def _settings(self, row: Row) -> dict:
-        r = self.request
+        r = self.asked
         return {"n_ctx": context_of(self.served), "model": self.served.model_id, "seed": row.seed,
                 "temperature": row.temperature, "top_k": row.top_k, "top_p": row.top_p, "min_p": 0.0,
                 "stop": list(row.stop), "max_tokens": r.n_predict, "n_predict": r.n_predict, "n_indent": row.indent,
@@ -329,17 +329,17 @@ class Native:
         fitted, predicted = self.fits[index], 0 if self.prepare else result.completion_tokens
         full = fitted.capped and result.finish_reason == "length" and result.completion_tokens >= row.max_tokens
         item = {"index": index, "content": "" if streamed else text,
-                "tokens": [] if streamed or not self.request.return_tokens else tokens, "id_slot": -1, "stop": True,
+                "tokens": [] if streamed or not self.asked.return_tokens else tokens, "id_slot": -1, "stop": True,
                 "model": self.served.model_id, "tokens_predicted": predicted, "tokens_evaluated": len(row.ids),
                 "generation_settings": self._settings(row),
                 "prompt": self.served.tokenizer.decode(row.ids) if self._wants("prompt") else "",
                 "has_new_line": "\n" in text, "truncated": fitted.truncated or (full and not self.prepare),
                 "stop_type": kind, "stopping_word": word, "tokens_cached": result.cached_tokens,
                 "timings": timings(len(row.ids), result, predicted)}
-        return pick(self.request.fields, item) if self.request.fields else item
+        return pick(self.asked.fields, item) if self.asked.fields else item
 
     def _wants(self, field: str) -> bool:
-        return not self.request.fields or any(f.split("/")[0] == field for f in self.request.fields)
+        return not self.asked.fields or any(f.split("/")[0] == field for f in self.asked.fields)
 
     def body(self, cid: str, rows: list[Row], results: list[Result], prompt_tokens: int) -> dict | list:
         items = [self.final(i, row, r, False) for i, (row, r) in enumerate(zip(rows, results, strict=True))]
