@@ -307,3 +307,13 @@ def test_errors_have_llama_servers_shape():
     error = llama_api.error_body(ApiError(400, "bad"))
     assert error == {"error": {"code": 400, "message": "bad", "type": "invalid_request_error"}}
     assert llama_api.error_body(ApiError(404, "no"))["error"]["type"] == "not_found_error"
+
+
+def test_a_megabyte_before_the_cursor_is_cut_before_it_is_tokenized(demo):
+    prefix = "total += step\n" * 100_000  # 1.4 MB, some 100 times what the context could hold
+    body = {"input_prefix": prefix, "input_suffix": "print(total)\n", "n_predict": 32,
+            "input_extra": [{"text": "step = 2\n" * 50_000, "filename": "old.py"}, {"text": "x = 1\n"}]}
+    parsed = llama_api.parse_infill(json.dumps(body).encode(), demo)
+    (row,) = parsed.rows
+    assert len(row.ids) == prompt_budget(CONTEXT, 32) and parsed.answer.fits[0].truncated
+    assert demo.tokenizer.decode(row.ids).split("<fim_suffix>")[0].endswith("total += step\n")
