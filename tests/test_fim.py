@@ -13,7 +13,8 @@ from autotp.errors import AutotpError
 from autotp.serve.api.boundary import prompt_budget
 from autotp.tokenizer import fim_prompt
 
-REAL_FILE = Path(__file__).parent.parent / "src" / "autotp" / "sampler.py"  # the file the editor had open
+# the file the editor had open
+REAL_FILE = Path(__file__).parent.parent / "src" / "autotp" / "sampling" / "sampler.py"
 
 # Two other files and the one being edited, written so that each piece starts with a non-space character: there,
 # tokenizing the pieces one by one (as fim.py and llama-server do) gives the tokens of the whole documented string.
@@ -190,6 +191,6 @@ def test_openai_suffix_still_gets_the_prompt_it_got(tmp_path):
     from autotp.serve.api.boundary import Served, prompt_ids
 
     tok = fim_model.tokenizer(tmp_path)
-    served = Served("demo", tok, 512, 0, 4096)
+    served = Served("demo", tok, 512, 0, 4096, len(tok))
     ids = prompt_ids(served, "def add(a, b):\n    ", "\n    return c\n", 16)
     assert list(ids) == tok("<fim_prefix>def add(a, b):\n    <fim_suffix>\n    return c\n<fim_middle>").input_ids

@@ -23,19 +23,20 @@ FIXTURES = Path(__file__).parent / "fixtures"
 VIM = json.loads((FIXTURES / "llama_vim_requests.json").read_text())
 VSCODE = json.loads((FIXTURES / "llama_vscode_requests.json").read_text())
 CONTEXT = 512  # the demo model's
-REAL_FILE = Path(__file__).parent.parent / "src" / "autotp" / "sampler.py"
+REAL_FILE = Path(__file__).parent.parent / "src" / "autotp" / "sampling" / "sampler.py"
 
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     """The demo model's kind of tokenizer: StarCoder's FIM tokens, no repository tokens."""
-    return Served("autotp-demo", fim_model.tokenizer(tmp_path_factory.mktemp("demo")), CONTEXT, 0, 4096)
+    tok = fim_model.tokenizer(tmp_path_factory.mktemp("demo"))
+    return Served("autotp-demo", tok, CONTEXT, 0, 4096, len(tok))
 
 
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory):
-    return Served("qwen-coder", fim_families.tokenizer("qwen2.5-coder", tmp_path_factory.mktemp("qwen")), CONTEXT, 0,
-                  4096)
+    tok = fim_families.tokenizer("qwen2.5-coder", tmp_path_factory.mktemp("qwen"))
+    return Served("qwen-coder", tok, CONTEXT, 0, 4096, len(tok))
 
 
 def vim_looks_at(answer: str) -> bool:
@@ -167,7 +168,8 @@ def test_n_predict_minus_one_is_as_many_as_fit_and_below_is_refused(demo):
 
 
 def test_a_model_without_fim_tokens_is_refused_with_what_it_lacks(tmp_path):
-    plain = Served("smollm2", fim_families.tokenizer("plain", tmp_path), CONTEXT, 0, 4096)
+    tok = fim_families.tokenizer("plain", tmp_path)
+    plain = Served("smollm2", tok, CONTEXT, 0, 4096, len(tok))
     with pytest.raises(ApiError) as e:
         llama_api.parse_infill(VIM["requests"][2]["body"].encode(), plain)
     assert e.value.status == 501 and "<fim_prefix>" in e.value.message and "<|file_sep|>" in e.value.message

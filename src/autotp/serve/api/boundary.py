@@ -72,10 +72,17 @@ class Served:
     kv_tokens: int
     vocab: int  # min(the model's embedding rows (config.vocab_size), len(tokenizer))
 
-    def room(self, prompt_tokens: int) -> int:
-        """The most tokens a row may generate after a prompt of `prompt_tokens`: prompt and completion within the
-        context, and the row's KV slots (types.kv_slots) within the cache. The one rule for what fits."""
-        return min(self.max_model_len - prompt_tokens, self.kv_tokens - kv_slots(prompt_tokens, 1) + 1)
+    @property
+    def context(self) -> int:
+        """The tokens one row may hold, prompt and completion: the context, or the KV cache's slots where those are
+        fewer (types.kv_slots: a row's last token takes none). What /props reports as n_ctx."""
+        return min(self.max_model_len, self.kv_tokens - kv_slots(0, 1) + 1)
+
+    def room(self, prompt_tokens: int, max_tokens: int | None = None) -> int:
+        """The most tokens a row may generate after a prompt of `prompt_tokens`, and at most `max_tokens` where given.
+        The one rule for what fits."""
+        left = self.context - prompt_tokens
+        return left if max_tokens is None else min(max_tokens, left)
 
     @cached_property
     def max_prompt_chars(self) -> int:
@@ -164,24 +171,11 @@ def seeds(seed: int | None, n: int) -> list[int]:
     return [s - 2**64 if s > SEED_MAX else s for s in (seed + j for j in range(n))]
 
 
-def context_of(served: Served) -> int:
-    """The tokens one row may hold: the context, or the KV cache's slots per rank where those are fewer."""
-    return min(served.max_model_len, served.kv_tokens)
-
-
 def prompt_budget(context: int, max_tokens: int | None) -> int:
     """The tokens a prompt that can be cut (a FIM prompt: fim.py's budget rule) may keep: the context less the room
     it leaves for generating, max_tokens but at most half the context (None, as many as fit: half). An editor
     that asks for 4096 tokens in a context of 512 gets a 256-token prompt, not a refusal."""
     return context - (context // 2 if max_tokens is None else min(max_tokens, context // 2))
-
-
-def room(context: int, prompt_tokens: int, max_tokens: int | None) -> int:
-    """What a row may generate after its prompt: max_tokens, or what the context leaves where that is less (the
-    completion then ends with finish_reason "length"); None: all the context leaves. The rule of llama-server
-    and TGI for editors; OpenAI's routes refuse instead (context_length_exceeded) where the prompt cannot be cut."""
-    left = context - prompt_tokens
-    return left if max_tokens is None else min(max_tokens, left)
 
 
 @dataclass(frozen=True)
@@ -203,7 +197,7 @@ def fit_fim(served: Served, prefix: str, suffix: str, max_tokens: int | None, *,
     (`room`). Text beyond what could ever fit is dropped before tokenizing (max_prompt_chars nearest the cursor;
     the newest files within it), so a megabyte costs no more than the context. The caller checks first that the
     tokenizer has FIM tokens (fim.layout_of); a frame (or `lead`) that alone exceeds the budget is an ApiError."""
-    limit, context = served.max_prompt_chars, context_of(served)
+    limit = served.max_prompt_chars
     files, chars = [], 0
     for chunk in reversed(extra):  # newest first: the oldest are the ones the budget rule leaves out
         chars += len(chunk.text) + len(chunk.path)
@@ -215,10 +209,10 @@ def fit_fim(served: Served, prefix: str, suffix: str, max_tokens: int | None, *,
                         "max_tokens")
     try:
         fim = fim_ids(served.tokenizer, prefix[-limit:], suffix[:limit], extra=tuple(files), lead=lead,
-                      budget=prompt_budget(context, max_tokens))
+                      budget=prompt_budget(served.context, max_tokens))
     except FimError as e:
         raise ApiError(400, str(e), param=param, code="context_length_exceeded") from None
-    left = room(context, len(fim.ids), max_tokens)
+    left = served.room(len(fim.ids), max_tokens)
     checked_ids(served, fim.ids, left, param)  # the vocabulary; the context and the KV cache fit by construction
     truncated = fim.truncated or len(files) < len(extra) or len(prefix) > limit or len(suffix) > limit
     return Fitted(fim.ids, left, truncated, max_tokens is None or left < max_tokens, fim.context_tokens)

@@ -39,11 +39,9 @@ from autotp.serve.api.boundary import (
     Parsed,
     Served,
     checked_ids,
-    context_of,
     fit_fim,
     invalid,
     parse_json,
-    room,
     sampling,
     seeds,
     validate,
@@ -225,14 +223,14 @@ class ContextFull(ApiError):
 
 def _plain(served: Served, prompt: str | list[int], max_tokens: int | None) -> Fitted:
     """A /completion prompt that is not FIM: whole or refused, as llama-server does; the row generates what fits."""
-    context = context_of(served)
+    context = served.context
     if isinstance(prompt, str):
         if len(prompt) > served.max_prompt_chars:  # more characters than any context holds: not worth tokenizing
             raise ContextFull(len(prompt) // (served.max_prompt_chars // served.max_model_len), context, "prompt")
         ids = tuple(served.tokenizer(prompt).input_ids)  # BOS where the tokenizer adds one, as llama-server does
     else:
         ids = tuple(prompt)
-    left = room(context, len(ids), max_tokens)
+    left = served.room(len(ids), max_tokens)
     if ids and left < 1:
         raise ContextFull(len(ids), context, "prompt")
     checked_ids(served, ids, left)
@@ -318,7 +316,7 @@ class Native:
 
     def _settings(self, row: Row) -> dict:
         r = self.asked
-        return {"n_ctx": context_of(self.served), "model": self.served.model_id, "seed": row.seed,
+        return {"n_ctx": self.served.context, "model": self.served.model_id, "seed": row.seed,
                 "temperature": row.temperature, "top_k": row.top_k, "top_p": row.top_p, "min_p": 0.0,
                 "stop": list(row.stop), "max_tokens": r.n_predict, "n_predict": r.n_predict, "n_indent": row.indent,
                 "t_max_predict_ms": round(row.newline_deadline_s * 1000), "n_keep": 0, "n_discard": 0,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-from autotp.serve.api.boundary import Served, context_of, invalid, parse_json, validate
+from autotp.serve.api.boundary import Served, invalid, parse_json, validate
 from autotp.serve.api.llama_api import APPLIED, DEFAULTS
 
 
@@ -17,7 +17,7 @@ def props(served: Served, slots: int, version: str) -> dict:
     params = {"n_predict": -1, "seed": 4294967295, **DEFAULTS, "min_p": 0.0, "stop": [], "max_tokens": -1,
               "n_keep": 0, "n_discard": 0, "ignore_eos": False, "stream": False, "n_probs": 0, "min_keep": 0,
               "samplers": list(APPLIED)}
-    settings = {"id": 0, "id_task": -1, "n_ctx": context_of(served), "speculative": False, "is_processing": False,
+    settings = {"id": 0, "id_task": -1, "n_ctx": served.context, "speculative": False, "is_processing": False,
                 "params": params, "prompt": "", "next_token": {"has_next_token": True, "has_new_line": False,
                                                                "n_remain": -1, "n_decoded": 0, "stopping_word": ""}}
     return {"default_generation_settings": settings, "total_slots": slots, "model_path": served.model_id,
