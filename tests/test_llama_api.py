@@ -1,7 +1,7 @@
 """llama-server's native protocol (serve/api/llama_api.py, llama_info.py) from its clients' side: llama.vim's
 requests as a real Vim sent them and llama.vscode's as its source builds them, checked into rows and answered
 in the shapes those plugins read; n_predict's edges, the sampling chain, /completion, /props, /tokenize,
-/detokenize; and the line rules the engine applies (serve/line_stops.py). In process: no server, no model."""
+/detokenize; and the line rules the engine applies (engine/text.py). In process: no server, no model."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 from autotp import fim
 from autotp.serve.api import llama_api, llama_info
 from autotp.serve.api.boundary import ApiError, Served, prompt_budget
-from autotp.serve.line_stops import indent_cut, past_deadline
+from autotp.serve.engine.text import indent_cut, past_deadline
 from autotp.serve.types import Piece, Result
 
 FIXTURES = Path(__file__).parent / "fixtures"

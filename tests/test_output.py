@@ -114,3 +114,38 @@ def test_a_row_that_ended_meanwhile_gets_no_event(tok):
     out, r = OutputProcessor(tok, frozenset()), request(tok)
     r.status = Status.ABORTED  # its client went away while its step was in flight
     assert feed(out, r, [5]) == [] and r.output == []
+
+
+def test_a_fim_sentinel_in_the_rows_stop_ids_ends_it_as_eos_does(tok):
+    """A FIM model that writes <fim_prefix> after its middle has finished it (fim.stop_ids)."""
+    sentinel = tok.convert_tokens_to_ids("<fim_prefix>")
+    out = OutputProcessor(tok, frozenset())
+    r = request(tok)
+    r.row = Row(r.row.ids, 8, 0.0, 1.0, 0, stop_ids=(sentinel,))
+    (done,) = feed(out, r, [ids(tok, " x")[0]]) + feed(out, r, [sentinel])
+    assert done.result.finish_reason == "stop" and done.result.text == " x"
+
+
+def test_n_indent_ends_the_row_before_a_line_indented_less(tok):
+    """llama-server's n_indent for editors: the completion of a body indented 4 stops where a line starts at column 0."""
+    out = OutputProcessor(tok, frozenset())
+    r = request(tok, max_tokens=40, stream=True)
+    r.row = Row(r.row.ids, 40, 0.0, 1.0, 0, indent=4)
+    events = [e for t in ids(tok, "    return a + b\ndef sub(a, b):") for e in feed(out, r, [t])]
+    done = events[-1]
+    assert isinstance(done, Finished) and done.result.finish_reason == "length"
+    assert done.result.text == "    return a + b\n" == "".join(e.piece.text for e in events if isinstance(e, Token))
+
+
+def test_t_max_predict_ms_ends_the_row_at_the_first_newline_after_the_deadline(tok, monkeypatch):
+    from autotp.serve.engine import output
+
+    clock = iter([0.0, 0.1, 0.2, 5.0, 5.1, 5.2, 5.3, 5.4])
+    monkeypatch.setattr(output.time, "monotonic", lambda: next(clock))
+    out = OutputProcessor(tok, frozenset())
+    r = request(tok, max_tokens=40)
+    r.row, r.arrived = Row(r.row.ids, 40, 0.0, 1.0, 0, newline_deadline_s=0.25), 0.0
+    body = ids(tok, " x = 1\n y = 2\n z")
+    events = [e for t in body for e in feed(out, r, [t])]
+    (done,) = events
+    assert done.result.text.endswith("\n") and done.result.text.count("\n") == 1  # the newline after 0.25 s, kept

@@ -178,3 +178,26 @@ def test_a_steps_tokens_stay_within_the_budget_and_new_requests_are_admitted_fir
         ran(scheduler, step, finish=tuple(w.id for w in step.work if w.sample and
                                           len(scheduler.running[w.id].output) == 2))
     assert seen == [0, 1, 2, 3, 4] and not scheduler.running
+
+
+def test_a_prompt_sent_several_times_at_once_is_computed_once():
+    """n completions of one prompt (llama.vscode's n_cmpl 3): the first computes it, the others wait for its blocks
+    to be cached and compute only the last, partly filled block's tokens."""
+    scheduler = Scheduler(BlockPool(32, 4), Limits(8, 64, 128))
+    prompt = list(range(1, 15))  # 3 full blocks and 2 tokens
+    for i in range(3):
+        scheduler.add(request(i, prompt))
+    step = scheduler.schedule(StepStats())
+    assert [(w.id, len(w.tokens)) for w in step.work] == [(0, 14)] and len(scheduler.waiting) == 2
+    ran(scheduler, step)
+    step = scheduler.schedule(StepStats())
+    assert [(w.id, w.start, len(w.tokens)) for w in step.work] == [(0, 14, 1), (1, 12, 2), (2, 12, 2)]
+
+
+def test_a_request_waits_only_for_blocks_another_is_computing_and_not_for_a_different_prompt():
+    scheduler = Scheduler(BlockPool(32, 4), Limits(8, 64, 128))
+    scheduler.add(request(0, list(range(1, 15))))
+    scheduler.schedule(StepStats())
+    scheduler.add(request(1, [9, 9, 9, 9, 9, 9]))  # nothing in common: admitted beside it
+    scheduler.add(request(2, [1, 2, 3]))  # no full block it could take from the cache
+    assert [w.id for w in scheduler.schedule(StepStats()).work] == [1, 2]

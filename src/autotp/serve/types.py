@@ -26,7 +26,7 @@ class Row:
     top_k: int = 0  # 0: off
     logprobs: int | None = None  # each generated token's log-probability and this many alternatives (0-5)
     prompt_logprobs: bool = False  # also the prompt tokens' (each given the tokens before it)
-    # llama-server's editor fields (api/llama_api.py); the engine honours them as line_stops.py describes
+    # llama-server's editor fields (api/llama_api.py); the engine honours them as engine/text.py describes
     stop_ids: tuple[int, ...] = ()  # sampling one ends the row as EOS does: a FIM layout's sentinels (fim.py)
     indent: int = 0  # n_indent: end the row before the first character of a line indented less (0: off)
     newline_deadline_s: float = 0.0  # t_max_predict_ms / 1000: end the row at a newline once this long has

@@ -46,7 +46,7 @@ from autotp.serve.api.boundary import (
     seeds,
     validate,
 )
-from autotp.serve.line_stops import indent_cut
+from autotp.serve.engine.text import indent_cut
 from autotp.serve.types import Piece, Result, Row
 
 MAX_N = 16  # completions per prompt (n_cmpl), as OpenAI's n

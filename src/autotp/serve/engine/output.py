@@ -2,9 +2,10 @@
 
 The runner hands back each row's new tokens (lockstep/step.Sampled: one, or a verified draft's) with their
 log-probabilities; here each token is appended to its row, decoded into text where the row needs text at every
-token (a stop string to watch for, a stream), checked for the row's end (an eos token, a stop string, its
-max_tokens), and turned into the events its client gets (types.Token, Finished, Failed), with the step's latencies
-in `StepStats`. A failure here (a tokenizer that raises on a token) fails its row only, with 500. No torch.
+token (a stop string to watch for, a stream, a line rule), checked for the row's end (an eos token or one of its
+stop ids, a stop string, its max_tokens, llama-server's two line rules for editors: engine/text.py), and turned
+into the events its client gets (types.Token, Finished, Failed), with the step's latencies in `StepStats`. A failure
+here (a tokenizer that raises on a token) fails its row only, with 500. No torch.
 """
 
 from __future__ import annotations
@@ -14,7 +15,15 @@ import time
 from autotp.errors import one_line
 from autotp.serve.engine.request import Request, Status
 from autotp.serve.engine.stats import Ended, StepStats
-from autotp.serve.engine.text import Detokenizer, TextStream, added_text, cut_at_stop, first_stop
+from autotp.serve.engine.text import (
+    Detokenizer,
+    TextStream,
+    added_text,
+    cut_at_stop,
+    first_stop,
+    indent_cut,
+    past_deadline,
+)
 from autotp.serve.lockstep.step import StepResult
 from autotp.serve.types import Event, Failed, Finished, Piece, Result, Token, TokenLogprob, log
 
@@ -70,21 +79,26 @@ class OutputProcessor:
         r.last_token = now
         row = r.row
         try:
-            watched = bool(row.stop) or r.stream  # text needed at every token, not only the last
-            text = stopped_by = ""
+            # text needed at every token, not only the last
+            watched = bool(row.stop) or r.stream or row.indent > 0 or row.newline_deadline_s > 0
+            text = stopped_by = added = ""
+            cut = None  # where a line indented less than row.indent starts: the text ends there
             if watched:
                 if r.text is None:
                     r.text, r.streamed = Detokenizer(self.tokenizer, row.ids), TextStream(row.stop)  # prompt: context
                 checked = len(r.text.text)
                 text = r.text.add(token)
+                added = text[checked:]
                 stopped_by = first_stop(text, row.stop, checked) if row.stop else ""
-            if token in self.eos or stopped_by:
+                cut = indent_cut(text, row.indent)
+            if token in self.eos or token in row.stop_ids or stopped_by:
                 r.status = Status.STOPPED
-            elif len(r.output) >= row.max_tokens:
+            elif (len(r.output) >= row.max_tokens or cut is not None
+                  or past_deadline(added, now - r.first_token, row.newline_deadline_s)):
                 r.status = Status.LENGTH
             if r.status.finished:
                 text = r.text.final() if watched else added_text(self.tokenizer, row.ids, r.output)
-                text = cut_at_stop(text, row.stop)[0]
+                text = cut_at_stop(text, row.stop)[0] if cut is None else text[:cut]
             events: list[Event] = []
             if r.stream:
                 delta = r.streamed.delta(text, final=r.status.finished)

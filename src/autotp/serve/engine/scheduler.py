@@ -7,7 +7,9 @@ are admitted first come, first served while a request slot, a token of the step'
 life in blocks are left. A new request starts from the longest cached run of its prompt's full blocks
 (blocks.BlockPool), then from the known block after them that shares the most of its next tokens (copied into a
 block of its own: Work.copy), and computes only the rest; it always computes at least its last prompt token, whose
-scores give its first generated one. A decoding request may add a prompt-lookup draft (lookup.py) after its last
+scores give its first generated one. A request whose prompt begins with full blocks another running request is
+computing right now waits until they are cached, so that a prompt sent several times at once (n completions of it)
+is computed once. A decoding request may add a prompt-lookup draft (lookup.py) after its last
 token, every position scored, within the budget.
 
 More than one step may be in flight (a pipeline of P stages keeps P of them moving): a request whose step has not
@@ -102,8 +104,11 @@ class Scheduler:
 
     def _admit(self, r: Request, stats: StepStats) -> tuple[int, int] | None:
         """The head of the queue takes its cached prefix and reserves its life's blocks, if they fit (None where
-        not). Returns (block, m): the known block whose first m keys and values its next block copies."""
+        not, or where another request is computing blocks it would take from the cache). Returns (block, m): the
+        known block whose first m keys and values its next block copies."""
         size, prompt = self.pool.block_size, r.prompt
+        if self.pool.caching and not r.no_cache and any(self._computing(o, prompt) for o in self.running.values()):
+            return None
         hits = [] if r.no_cache else self.pool.match(prompt, (len(prompt) - 1) // size)
         source, m = (-1, 0) if r.no_cache else self.pool.extend(prompt, hits, len(prompt) - 1)
         life = blocks_for(kv_slots(len(prompt), r.row.max_tokens), size) - len(hits)
@@ -122,6 +127,13 @@ class Scheduler:
             stats.prefix_queried += len(prompt)
             stats.prefix_hit += r.cached
         return source, m
+
+    def _computing(self, other: Request, prompt: tuple[int, ...]) -> bool:
+        """Whether `other` has yet to compute (or has in flight) a full block of its prompt that `prompt` begins with
+        too, and would take from the cache once it is computed."""
+        end = (other.computed // self.pool.block_size + 1) * self.pool.block_size  # through its first block to come
+        matchable = (len(prompt) - 1) // self.pool.block_size * self.pool.block_size  # as _admit's match
+        return end <= min(matchable, len(other.prompt)) and prompt[:end] == other.prompt[:end]
 
     def _draft(self, r: Request, budget: int) -> tuple[int, ...]:
         """A decoding request's prompt-lookup draft, no longer than the step's budget or its own leave room for."""
