@@ -3,6 +3,7 @@ without FIM tokens refused, and a real file larger than the context cut to the t
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import fim_families
@@ -184,13 +185,16 @@ def test_a_prompt_written_in_fim_form_splits_back_into_its_pieces(tokenizers):
 
 
 def test_openai_suffix_still_gets_the_prompt_it_got(tmp_path):
-    """OpenAI's `suffix` (boundary.prompt_ids through tokenizer.fim_prompt) tokenizes the same text as before fim.py:
+    """OpenAI's `suffix` (through boundary.fit_fim now) tokenizes to the ids the whole text tokenized to before fim.py:
     StarCoder's three tokens around the prompt and the suffix."""
     import fim_model
 
-    from autotp.serve.api.boundary import Served, prompt_ids
+    from autotp.serve.api.boundary import Served
+    from autotp.serve.api.openai_api import parse_completion
 
     tok = fim_model.tokenizer(tmp_path)
     served = Served("demo", tok, 512, 0, 4096, len(tok))
-    ids = prompt_ids(served, "def add(a, b):\n    ", "\n    return c\n", 16)
-    assert list(ids) == tok("<fim_prefix>def add(a, b):\n    <fim_suffix>\n    return c\n<fim_middle>").input_ids
+    body = {"model": "demo", "prompt": "def add(a, b):\n    ", "suffix": "\n    return c\n", "max_tokens": 16}
+    (row,) = parse_completion(json.dumps(body).encode(), served).rows
+    assert list(row.ids) == tok("<fim_prefix>def add(a, b):\n    <fim_suffix>\n    return c\n<fim_middle>").input_ids
+    assert row.max_tokens == 16 and row.stop_ids == fim.stop_ids(tok)

@@ -127,7 +127,7 @@ def test_a_fim_sentinel_in_the_rows_stop_ids_ends_it_as_eos_does(tok):
 
 
 def test_n_indent_ends_the_row_before_a_line_indented_less(tok):
-    """llama-server's n_indent for editors: the completion of a body indented 4 stops where a line starts at column 0."""
+    """llama-server's n_indent for editors: a body indented 4 ends where a line starts at column 0."""
     out = OutputProcessor(tok, frozenset())
     r = request(tok, max_tokens=40, stream=True)
     r.row = Row(r.row.ids, 40, 0.0, 1.0, 0, indent=4)

@@ -15,11 +15,9 @@ from functools import cached_property
 
 from pydantic import BaseModel, ValidationError
 
-from autotp.errors import AutotpError
 from autotp.fim import Chunk, FimError, fim_ids
 from autotp.sampling.rules import SEED_MAX, SamplingError, check_sampling
 from autotp.serve.types import Result, Row, kv_slots
-from autotp.tokenizer import fim_prompt
 
 MAX_STOP = 16  # stop strings: OpenAI allows 4, but Continue sends 7 (its StarCoder template's) to other hosts
 MAX_LOGPROBS = 5  # OpenAI's limit on top log-probabilities for completions
@@ -232,20 +230,13 @@ def _too_long(served: Served, tokens: str, max_tokens: int, param: str, budget: 
                          f"{served.max_model_len} tokens", param=param, code="context_length_exceeded")
 
 
-def prompt_ids(served: Served, prompt: str, suffix: str | None, max_tokens: int, param: str = "prompt",
-               budget: str = "max_tokens", template: bool = False) -> tuple[int, ...]:
-    """The prompt's token ids (FIM when suffix is given), checked against the context and the KV cache.
-    template: the text came from the chat template, which writes its own special tokens."""
-    chars = len(prompt) + len(suffix or "")
-    if chars > served.max_prompt_chars:  # tokenizing megabytes would hold rank 0's CPU for seconds
-        raise _too_long(served, f"at least {chars // (served.max_prompt_chars // served.max_model_len)}",
+def prompt_ids(served: Served, prompt: str, max_tokens: int, param: str = "prompt", budget: str = "max_tokens",
+               template: bool = False) -> tuple[int, ...]:
+    """A prompt's token ids, checked against the context and the KV cache, whole or refused (a FIM prompt is cut
+    instead: fit_fim). template: the text came from the chat template, which writes its own special tokens."""
+    if len(prompt) > served.max_prompt_chars:  # tokenizing megabytes would hold rank 0's CPU for seconds
+        raise _too_long(served, f"at least {len(prompt) // (served.max_prompt_chars // served.max_model_len)}",
                         max_tokens, param, budget)
-    if suffix is not None:
-        try:
-            prompt = fim_prompt(served.tokenizer, prompt, suffix)
-        except AutotpError:
-            raise invalid("suffix", f"suffix needs fill-in-the-middle tokens, and the tokenizer of "
-                                    f"{served.model_id} lacks them") from None
     return checked_ids(served, tuple(served.tokenizer(prompt, add_special_tokens=not template).input_ids), max_tokens,
                        param, budget)
 

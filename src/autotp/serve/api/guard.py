@@ -3,9 +3,10 @@
 - Host: a server bound to loopback answers only Host headers that name loopback (localhost, 127.0.0.1,
   [::1], any port), so a web page whose domain resolves to 127.0.0.1 (DNS rebinding) cannot use it;
   `--allowed-hosts` replaces that list ("*": any). A server bound elsewhere accepts any Host.
-- API key: with `--api-key` (or AUTOTP_API_KEY), /v1/*, TGI's generation routes and the routes SGLang's
-  router reads (router_api.py) need `Authorization: Bearer <key>`, as OpenAI and Hugging Face clients and
-  the router send it; /health, /info and /metrics stay open for probes and scrapers.
+- API key: with `--api-key` (or AUTOTP_API_KEY), /v1/*, TGI's generation routes, llama-server's (llama_api.py)
+  and the routes SGLang's router reads (router_api.py) need `Authorization: Bearer <key>`, as OpenAI, Hugging
+  Face and llama.cpp clients and the router send it; /health, /info, /props and /metrics stay open for probes
+  and scrapers. Without a key, no header is read (llama.vim sends `Bearer ` with an empty key).
 - POST bodies must be `application/json` (a browser form or `text/plain` fetch cannot be one without a
   CORS preflight, which this server never grants), except POST /flush_cache, whose body is ignored and
   which the router sends with none (a web page can send it too: only an API key keeps it out), of at most
@@ -31,8 +32,9 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from autotp.serve.api import tgi_api
+from autotp.serve.api import llama_api, tgi_api
 from autotp.serve.api.boundary import ApiError, clip
+from autotp.serve.api.errors import shaped
 from autotp.serve.types import log
 
 DRAIN_BYTES = 2**26  # at most this much of a refused body is read (and dropped) so that the 413 arrives
@@ -75,7 +77,8 @@ class Guard:
             return ApiError(400, f"the Host header {host!r} is not allowed by this server (see --allowed-hosts)",
                             code="invalid_host")
         path = scope["path"]
-        if self.api_key is not None and (path.startswith(KEYED) or path in ROUTER_PATHS or tgi_api.is_tgi(path)):
+        if self.api_key is not None and (path.startswith(KEYED) or path in ROUTER_PATHS or tgi_api.is_tgi(path)
+                                         or llama_api.is_llama(path)):
             given = headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
                 return ApiError(401, "missing or incorrect API key: send it as 'Authorization: Bearer <key>'",
@@ -102,7 +105,7 @@ class Guard:
         if refusal is None:
             return await self.app(scope, receive, send)
         log(f"refused {scope['method']} {clip(scope['path'])}: status={refusal.status} error={refusal.message!r}")
-        response = closing_response(refusal, tgi_api.is_tgi(scope["path"]))
+        response = closing_response(refusal, scope["path"])
         expects = dict(scope["headers"]).get(b"expect", b"").lower() == b"100-continue"
         if refusal.status != 413 or expects:  # a client that waits for "100 Continue" sends no body: none to read
             return await response(scope, receive, send)
@@ -156,11 +159,11 @@ def too_large(limit: int) -> ApiError:
                     code="request_too_large")
 
 
-def closing_response(error: ApiError, tgi: bool = False) -> JSONResponse:
-    """The error, closing the connection: a refused request's body is not worth reading further."""
-    body = tgi_api.error_body(error) if tgi else error.body()
-    return JSONResponse(body, status_code=tgi_api.status(error) if tgi else error.status,
-                        headers={"connection": "close"})
+def closing_response(error: ApiError, path: str) -> JSONResponse:
+    """The error in `path`'s protocol, closing the connection: a refused request's body is not worth reading
+    further."""
+    body, status = shaped(error, path)
+    return JSONResponse(body, status_code=status, headers={"connection": "close"})
 
 
 async def read_body(request: Request) -> bytes:

@@ -1,7 +1,8 @@
 """Rank 0's HTTP side of `autotp serve`: the FastAPI app and the uvicorn thread that runs it.
 
 Endpoints: OpenAI's POST /v1/completions and /v1/chat/completions, GET /v1/models; TGI's POST /generate,
-/generate_stream and / and GET /info (tgi_api.py); what SGLang's router reads from its workers, GET /server_info,
+/generate_stream and / and GET /info (tgi_api.py); llama-server's POST /infill, /completion, /tokenize and
+/detokenize and GET /props (llama_api.py, llama_info.py); what SGLang's router reads from its workers, GET /server_info,
 /model_info, /get_load and POST /flush_cache (router_api.py); GET /health and GET /metrics (Prometheus). guard.py
 refuses what must not reach them (Host, key, media type, size, slow reads). A request is checked by its
 protocol module in a worker thread (tokenizing a long prompt takes seconds that /health must not wait
@@ -14,7 +15,6 @@ events and stats as data; `Frontend.deliver` records the stats and moves the eve
 from __future__ import annotations
 
 import asyncio
-import json
 import socket
 import threading
 import time
@@ -27,9 +27,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from autotp.serve.api import openai_api, router_api, tgi_api
+import autotp
+from autotp.serve.api import errors, llama_api, llama_info, openai_api, router_api, tgi_api
 from autotp.serve.api.boundary import ApiError, Parsed, Served, clip, engine_error
 from autotp.serve.api.guard import Guard, ReadTimeoutH11, closing_response, read_body
+from autotp.serve.api.llama_api import compact
 from autotp.serve.api.metrics import CONTENT_TYPE, Metrics
 from autotp.serve.engine.loop import Engine, EngineOutput
 from autotp.serve.types import Event, Failed, Finished, Result, log
@@ -39,14 +41,16 @@ FLUSH_WAIT_S = 10  # a flush is answered at the engine's next step (at most engi
 
 
 def _sse(item: dict | str) -> str:
-    return f"data: {item if isinstance(item, str) else json.dumps(item)}\n\n"
+    """A server-sent event, its JSON compact as llama-server writes it (llama.vim drops a `"content": ` with a
+    space); OpenAI's and TGI's clients read any JSON."""
+    return f"data: {item if isinstance(item, str) else compact(item)}\n\n"
 
 
 class Call:
     """One request in flight: its rows' results as the engine's events bring them, and its log line."""
 
-    def __init__(self, cid: str, start: float, parsed: Parsed, tgi: bool = False):
-        self.cid, self.start, self.parsed, self.tgi = cid, start, parsed, tgi
+    def __init__(self, cid: str, start: float, parsed: Parsed, path: str):
+        self.cid, self.start, self.parsed, self.path = cid, start, parsed, path
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.results: dict[int, Result] = {}
 
@@ -61,7 +65,7 @@ class Call:
 
     def refuse(self, error: ApiError) -> ApiError:
         """Log the error under the status its protocol answers it with (TGI: 422, 424), and return it."""
-        self.log(tgi_api.status(error) if self.tgi else error.status, error.message)
+        self.log(errors.status(error, self.path), error.message)
         return error
 
 
@@ -144,10 +148,9 @@ def build_app(served: Served, engine: Engine, frontend: Frontend, max_body_bytes
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
         if exc.status == 413:
-            return closing_response(exc, tgi_api.is_tgi(request.url.path))
-        if tgi_api.is_tgi(request.url.path):
-            return JSONResponse(tgi_api.error_body(exc), status_code=tgi_api.status(exc), headers=exc.headers)
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+            return closing_response(exc, request.url.path)
+        body, status = errors.shaped(exc, request.url.path)
+        return JSONResponse(body, status_code=status, headers=exc.headers)
 
     @app.exception_handler(Exception)  # a bug of ours: still in the protocol's error shape, in one log line
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
@@ -164,7 +167,7 @@ def build_app(served: Served, engine: Engine, frontend: Frontend, max_body_bytes
             raw = await read_body(request)
             return await asyncio.get_running_loop().run_in_executor(parser, parse_fn, raw, served)
         except ApiError as e:
-            log_request(cid, tgi_api.status(e) if tgi_api.is_tgi(request.url.path) else e.status, start,
+            log_request(cid, errors.status(e, request.url.path), start,
                         error=e.message)
             raise
 
@@ -172,7 +175,7 @@ def build_app(served: Served, engine: Engine, frontend: Frontend, max_body_bytes
         """Check the request, queue its rows, and answer: whole, or as server-sent events."""
         cid, start = f"{prefix}-{uuid.uuid4().hex[:24]}", time.monotonic()
         parsed = await parse(request, cid, start, parse_fn)
-        call = Call(cid, start, parsed, tgi_api.is_tgi(request.url.path))
+        call = Call(cid, start, parsed, request.url.path)
         if len(parsed.rows) > engine.max_queue:
             raise call.refuse(ApiError(400, f"{len(parsed.rows)} prompts and choices in one request exceed the queue "
                                             f"of {engine.max_queue} (--max-queue)", param="prompt"))
@@ -260,6 +263,29 @@ def build_app(served: Served, engine: Engine, frontend: Frontend, max_body_bytes
     @app.post("/")
     async def compat(request: Request):  # TGI's route for the Inference API's clients: stream or not
         return await answer(request, "tgi", tgi_api.parse_compat)
+
+    @app.post("/infill")
+    async def infill(request: Request):
+        return await answer(request, "infill", llama_api.parse_infill)
+
+    @app.post("/completion")
+    @app.post("/completions")  # llama-server's alias
+    async def llama_completion(request: Request):
+        return await answer(request, "cmpl", llama_api.parse_completion)
+
+    @app.get("/props")
+    async def props() -> dict:
+        return llama_info.props(served, facts.max_running_requests, autotp.__version__)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        return await asyncio.get_running_loop().run_in_executor(parser, llama_info.tokenize, await read_body(request),
+                                                                served)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        return await asyncio.get_running_loop().run_in_executor(parser, llama_info.detokenize,
+                                                                await read_body(request), served)
 
     return app
 

@@ -49,6 +49,7 @@ from autotp.serve.api.boundary import (
 from autotp.serve.engine.text import indent_cut
 from autotp.serve.types import Piece, Result, Row
 
+LLAMA_PATHS = frozenset({"/infill", "/completion", "/completions", "/tokenize", "/detokenize"})  # llama_info's two
 MAX_N = 16  # completions per prompt (n_cmpl), as OpenAI's n
 RANDOM_SEEDS = (-1, 4294967295)  # llama.cpp's "pick one" (LLAMA_DEFAULT_SEED)
 DEFAULT_CHAIN = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
@@ -65,6 +66,10 @@ INERT = {"min_p": {"min_p": (0.0,)}, "typ_p": {"typical_p": (1.0,)}, "dry": {"dr
 # parameters outside the chain that autotp does not implement -> their neutral values (beside None, left out)
 UNSUPPORTED = {"mirostat": (0,), "n_probs": (0,), "grammar": ("",), "json_schema": (), "logit_bias": ([], {}),
                "ignore_eos": (False,), "lora": ([],), "timings_per_token": (False,), "return_progress": (False,)}
+
+
+def is_llama(path: str) -> bool:
+    return path in LLAMA_PATHS
 
 
 class Body(BaseModel):

@@ -14,12 +14,14 @@ from dataclasses import replace
 
 from pydantic import BaseModel, ConfigDict
 
+from autotp.fim import FimError, Split, layout_of, split_fim, stop_ids
 from autotp.serve.api.boundary import (
     MAX_LOGPROBS,
     ApiError,
     Parsed,
     Served,
     checked_ids,
+    fit_fim,
     invalid,
     parse_json,
     prompt_ids,
@@ -142,18 +144,32 @@ def _common(body: Sampled, served: Served, max_tokens: int | None, default_token
 
 
 def _rows(ids: tuple[int, ...], n: int, checked, stop: tuple[str, ...], logprobs: int | None,
-          prompt_logprobs: bool = False) -> list[Row]:
-    return [Row(ids, checked.max_tokens, checked.temperature, checked.top_p, seed, stop, checked.top_k, logprobs,
-                prompt_logprobs) for seed in seeds(checked.seed, n)]
+          prompt_logprobs: bool = False, max_tokens: int | None = None, stop_ids: tuple[int, ...] = ()) -> list[Row]:
+    return [Row(ids, max_tokens or checked.max_tokens, checked.temperature, checked.top_p, seed, stop, checked.top_k,
+                logprobs, prompt_logprobs, stop_ids) for seed in seeds(checked.seed, n)]
+
+
+def _fim(served: Served, prompts: list, suffix: str | None, echo: bool) -> list[Split] | None:
+    """Each prompt's parts where the request is fill-in-the-middle: a text prompt with a suffix, or every prompt
+    written in the tokenizer's FIM form (Continue's and Tabby's templates); None for any other request, and with
+    echo, which repeats the prompt as it was sent. These are cut to the context (boundary.fit_fim), not refused."""
+    if echo or not all(isinstance(p, str) for p in prompts):
+        return None
+    if suffix is not None:
+        try:
+            layout_of(served.tokenizer)
+        except FimError:
+            raise invalid("suffix", f"suffix needs fill-in-the-middle tokens, and the tokenizer of {served.model_id} "
+                                    f"lacks them") from None
+        return [Split("", p, suffix) for p in prompts]
+    splits = [split_fim(served.tokenizer, p) for p in prompts]
+    return None if None in splits else splits
 
 
 def parse_completion(raw: bytes, served: Served) -> Parsed:
     """POST /v1/completions bytes -> rows, every parameter checked; raises ApiError."""
     body = validate(CompletionBody, parse_json(raw))
     _neutral(body, {"best_of": (None, 1)})
-    n, checked, stop = _common(body, served, body.max_tokens, 16)  # OpenAI's default of 16 tokens
-    if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
-        raise invalid("logprobs", f"logprobs must be between 0 and {MAX_LOGPROBS}, got {body.logprobs}")
     one = isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int))
     prompts = [body.prompt] if one else body.prompt
     if not prompts:
@@ -163,9 +179,22 @@ def parse_completion(raw: bytes, served: Served) -> Parsed:
         raise invalid("echo", "echo cannot be combined with suffix")
     if body.suffix is not None and not isinstance(prompts[0], str):
         raise invalid("suffix", "suffix needs a text prompt: fill-in-the-middle tokens are placed around its text")
-    ids = [prompt_ids(served, p, body.suffix, checked.max_tokens) if isinstance(p, str) else
-           checked_ids(served, tuple(p), checked.max_tokens) for p in prompts]
-    rows = [r for i in ids for r in _rows(i, n, checked, stop, body.logprobs, echo and body.logprobs is not None)]
+    fims = _fim(served, prompts, body.suffix, echo)
+    asked = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default of 16 tokens
+    # a FIM prompt is cut to leave room: what is asked is checked for its range only, and bounds what is generated
+    n, checked, stop = _common(body, served, asked if fims is None else min(asked, 1), 16)
+    if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
+        raise invalid("logprobs", f"logprobs must be between 0 and {MAX_LOGPROBS}, got {body.logprobs}")
+    logprobs, prompt_logprobs = body.logprobs, echo and body.logprobs is not None
+    if fims is None:
+        ids = [prompt_ids(served, p, checked.max_tokens) if isinstance(p, str) else
+               checked_ids(served, tuple(p), checked.max_tokens) for p in prompts]
+        rows = [r for i in ids for r in _rows(i, n, checked, stop, logprobs, prompt_logprobs)]
+    else:
+        stops, rows = stop_ids(served.tokenizer), []
+        for split in fims:
+            fitted = fit_fim(served, split.prefix, split.suffix, asked, lead=split.lead)
+            rows += _rows(fitted.ids, n, checked, stop, logprobs, prompt_logprobs, fitted.max_tokens, stops)
     # what echo repeats of a prompt sent as ids: its text, decoded as the completion's is
     texts = [p if isinstance(p, str) else served.tokenizer.decode(p, skip_special_tokens=True) for p in prompts]
     stream = bool(body.stream)
@@ -207,7 +236,7 @@ def parse_chat(raw: bytes, served: Served) -> Parsed:
     if top is not None and not (body.logprobs and 0 <= top <= MAX_TOP_LOGPROBS):
         raise invalid("top_logprobs", f"top_logprobs needs logprobs=true and is between 0 and {MAX_TOP_LOGPROBS}, "
                                       f"got {top}")
-    ids = prompt_ids(served, text, None, checked.max_tokens if tokens is not None else 1, param="messages",
+    ids = prompt_ids(served, text, checked.max_tokens if tokens is not None else 1, param="messages",
                      template=True)
     if tokens is None:  # OpenAI's default: as many as the context leaves
         checked = replace(checked, max_tokens=served.room(len(ids)))

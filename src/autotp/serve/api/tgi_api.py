@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
+from autotp.fim import split_fim, stop_ids
 from autotp.serve.api.boundary import (
     GENERATION_FAILED,
     MAX_LOGPROBS,
@@ -23,6 +24,7 @@ from autotp.serve.api.boundary import (
     ApiError,
     Parsed,
     Served,
+    fit_fim,
     invalid,
     parse_json,
     prompt_ids,
@@ -99,19 +101,28 @@ def _parse(raw: bytes, served: Served, stream: bool | None) -> Parsed:
     names = {"max_tokens": "max_new_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
              "seed": "seed"}
     names = {k: f"parameters.{v}" for k, v in names.items()}
+    asked = DEFAULT_NEW_TOKENS if p.max_new_tokens is None else p.max_new_tokens
+    # inputs written in the tokenizer's FIM form (llm-vscode's, Continue's) are cut to leave room, not refused:
+    # what is asked is then checked for its range only, and bounds what is generated
+    fim = split_fim(served.tokenizer, body.inputs)
     checked = sampling(served, temperature=(p.temperature or 1.0) if sampled else 0.0,
                        top_p=1.0 if p.top_p is None else p.top_p, top_k=p.top_k or 0, seed=p.seed,
-                       max_tokens=DEFAULT_NEW_TOKENS if p.max_new_tokens is None else p.max_new_tokens, names=names)
+                       max_tokens=asked if fim is None else min(asked, 1), names=names)
     if p.top_n_tokens is not None and not 0 <= p.top_n_tokens <= MAX_LOGPROBS:
         raise invalid("parameters.top_n_tokens", f"top_n_tokens must be between 0 and {MAX_LOGPROBS}, "
                                                  f"got {p.top_n_tokens}")
     stop = stop_strings(p.stop, "parameters.stop")
-    ids = prompt_ids(served, body.inputs, None, checked.max_tokens, param="inputs",
-                     budget="parameters.max_new_tokens")
+    if fim is None:
+        ids, max_tokens, stops = prompt_ids(served, body.inputs, checked.max_tokens, param="inputs",
+                                            budget="parameters.max_new_tokens"), checked.max_tokens, ()
+    else:
+        fitted = fit_fim(served, fim.prefix, fim.suffix, asked, lead=fim.lead, param="inputs")
+        ids, max_tokens, stops = fitted.ids, fitted.max_tokens, stop_ids(served.tokenizer)
     seed = seeds(checked.seed, 1)[0]
     details = stream or bool(p.details)
-    row = Row(ids, checked.max_tokens, checked.temperature, checked.top_p, seed, stop, checked.top_k,
-              logprobs=(p.top_n_tokens or 0) if details else None, prompt_logprobs=bool(p.decoder_input_details))
+    row = Row(ids, max_tokens, checked.temperature, checked.top_p, seed, stop, checked.top_k,
+              logprobs=(p.top_n_tokens or 0) if details else None, prompt_logprobs=bool(p.decoder_input_details),
+              stop_ids=stops)
     streaming = bool(body.stream) if stream is None else stream
     # TGI's compatibility route prepends the prompt unless told not to (a text-generation model's default)
     full_text = p.return_full_text if p.return_full_text is not None else stream is None
