@@ -3,7 +3,8 @@
 Thin by design: argparse, then the library by keyword. `--tp N` on generate and serve starts N local ranks
 (autotp.launch); under torchrun or the `deepspeed` launcher each rank runs the command itself. Bad input ends in
 one line on stderr and a non-zero exit, printed by rank 0 when every rank fails alike, and by the rank it happened
-on otherwise; a bad command line is answered before torch is imported.
+on otherwise; a bad command line is answered before torch is imported, and what `autotp serve` can refuse without
+its model (serve/preflight.py) before the server is imported and before `--tp N` starts a rank.
 """
 
 from __future__ import annotations
@@ -239,7 +240,10 @@ class Parser(argparse.ArgumentParser):
         raise SystemExit(command_line_error(message + other_tool_hint(message)))
 
 
-def cmd_serve(args) -> int:
+def serve_options(args, starts_ranks: bool = False):
+    """serve's flags as ServeOptions, after every refusal that needs no model (options.py: flags that contradict
+    one another; serve/preflight.py: the backend on this device, the port, the directories)."""
+    from autotp.serve import preflight
     from autotp.serve.options import ServeOptions
 
     key, source = args.api_key, "--api-key"
@@ -258,10 +262,15 @@ def cmd_serve(args) -> int:
                         allowed_hosts=args.allowed_hosts, api_key=key, block_size=args.block_size,
                         prefix_caching=args.prefix_caching, speculate=args.speculate, compile=args.compile,
                         attention=args.attention)
-    opts.check()  # before the server's imports (transformers' model code, the HTTP stack): a refusal costs none
+    opts.check()
+    preflight.check(opts, args.model or default_model(), starts_ranks)
+    return opts
+
+
+def cmd_serve(args) -> int:
     from autotp.serve import serve
 
-    return serve(args.model or default_model(), model_id=args.model or DEMO_ID, opts=opts)
+    return serve(args.model or default_model(), model_id=args.model or DEMO_ID, opts=args.opts)  # main's
 
 
 def byte_size(text: str) -> int:
@@ -400,13 +409,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
-    if args.command != "plan" and args.tp is not None:
-        world = launcher_world()
-        if world is None and args.tp > 1:
-            return launch(args.tp, argv)  # each rank runs this argv again, under WORLD_SIZE = --tp
-        if world is not None and world != str(args.tp):
-            return command_line_error(f"--tp {args.tp} disagrees with the {world} ranks its launcher started "
-                                      f"(WORLD_SIZE={world}): under torchrun give --tp {world} or leave --tp out")
+    world = launcher_world()
+    if args.command != "plan" and args.tp is not None and world is not None and world != str(args.tp):
+        return command_line_error(f"--tp {args.tp} disagrees with the {world} ranks its launcher started "
+                                  f"(WORLD_SIZE={world}): under torchrun give --tp {world} or leave --tp out")
+    starts_ranks = args.command != "plan" and world is None and args.tp is not None and args.tp > 1
+    if args.command == "serve":  # before torch is imported and before any rank starts: a refusal costs neither
+        try:
+            args.opts = serve_options(args, starts_ranks)
+        except (AutotpError, OSError) as e:  # OSError: an unreadable model file or directory
+            return command_line_error(str(e) if isinstance(e, AutotpError) else f"{type(e).__name__}: {e}")
+    if starts_ranks:
+        return launch(args.tp, argv)  # each rank runs this argv again, under WORLD_SIZE = --tp
     from autotp import distributed  # torch: paid only once the flags are good (--help and flag errors are instant)
 
     try:

@@ -16,7 +16,6 @@ AUTOTP_HUB_TIMEOUT seconds (30) is an error naming the endpoint; its thread is l
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import socket
 import threading
@@ -29,6 +28,7 @@ from transformers import AutoConfig
 
 from autotp import distributed
 from autotp.errors import AutotpError
+from autotp.model_dir import config_fields, local_dir
 
 WEIGHT_FILES = ["*.json", "*.safetensors", "*.txt", "*.model"]
 TOKENIZER_FILES = ["*.json", "*.txt", "*.model"]  # tokenizer.json, vocab.json + merges.txt, SentencePiece
@@ -38,13 +38,11 @@ BEAT_S = 0.5  # how often the downloader publishes its byte count, and waiters l
 
 
 def resolve_model_dir(model: str | os.PathLike, patterns: list[str] = WEIGHT_FILES, flag: str = "model") -> Path:
-    """A local directory as is; otherwise a hub id, fetched (the files matching `patterns`) once per node.
-    flag: what named it, for the error (the CLI's --model or --tokenizer)."""
-    path = Path(model)
-    if path.is_dir():
+    """A local directory as is (model_dir.local_dir); otherwise a hub id, fetched (the files matching `patterns`)
+    once per node. flag: what named it, for the error (the CLI's --model or --tokenizer)."""
+    path = local_dir(model, flag)
+    if path is not None:
         return path
-    if path.exists() or str(model).count("/") > 1 or str(model).startswith((".", "/", "~")):
-        raise AutotpError(f"{flag} {str(model)!r} is not a directory")
     store = dist.distributed_c10d._get_default_store() if distributed.world_size() > 1 else None
     if store is None:
         return _fetch(str(model), patterns)
@@ -167,18 +165,10 @@ def _wait(store, key: str, repo_id: str) -> None:
 
 
 def load_config(model_dir: Path):
-    """config.json as a transformers config; one that is no JSON object, or that transformers rejects (its
-    strict fields, e.g. a string for n_layer), is an AutotpError naming the file."""
-    path = model_dir / "config.json"
-    if not path.exists():
-        raise AutotpError(f"no config.json in {model_dir}")
-    try:
-        fields = json.loads(path.read_text())
-    except (ValueError, OSError) as e:
-        raise AutotpError(f"cannot read {path}: {e}") from None
-    if not isinstance(fields, dict):
-        raise AutotpError(f"{path} is a JSON {type(fields).__name__}, not an object of config fields")
+    """config.json as a transformers config; one that is missing or no JSON object (model_dir.config_fields), or
+    that transformers rejects (its strict fields, e.g. a string for n_layer), is an AutotpError naming the file."""
+    config_fields(model_dir)
     try:
         return AutoConfig.from_pretrained(model_dir)
     except (ValueError, KeyError, OSError, StrictDataclassError) as e:
-        raise AutotpError(f"cannot read {path}: {' '.join(str(e).split())}") from None
+        raise AutotpError(f"cannot read {model_dir / 'config.json'}: {' '.join(str(e).split())}") from None

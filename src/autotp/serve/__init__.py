@@ -41,6 +41,8 @@ startup/ (every rank, once): budget.py (the KV cache's size), weight_form.py (th
 
 types.py: the plain types the API and the engine share (Row, Result, the events, StopFlag) and the log line; no torch.
 options.py: the settings (`ServeOptions`), and the contradictions among them refused before loading; no torch.
+preflight.py: what needs no model (the backend on this device, the port, the directories), refused before the
+server's imports and before any rank starts.
 server.py: `serve()`, the one place that imports them all and ties them together.
 
 `serve` is imported on first use, so that the protocol modules of api/ import without torch.

@@ -1,0 +1,95 @@
+"""`autotp serve`'s mistakes that need no model, as a user makes them: a busy port, a typo in --model, a folder
+without a tokenizer, `--attention varlen` on a CPU. Each is one line and exit 2 before the server's imports
+(transformers' model code, FastAPI, uvicorn) and, with --tp 2, before any rank starts; checked by what the
+process imported, not by time (serve/preflight.py)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_cli import error_lines, torchrun
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "src" / "autotp" / "demo_model"
+# what serving imports and refusing must not: the server, its HTTP stack, a family's model code, a rank's launch
+HEAVY = ("autotp.serve.server", "fastapi", "uvicorn", "transformers.modeling_utils",
+         "transformers.models.gpt_bigcode.modeling_gpt_bigcode", "torch.distributed.launcher.api")
+
+
+@pytest.fixture
+def no_tokenizer(tmp_path) -> Path:
+    """What save_pretrained of a model alone writes: config and weights, no tokenizer files."""
+    folder = tmp_path / "model-only"
+    folder.mkdir()
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        (folder / name).symlink_to(DEMO / name)
+    return folder
+
+
+def mistakes(port: int, no_tokenizer: Path) -> dict[str, tuple[list[str], str]]:
+    """name -> (serve's flags, the line it must print)."""
+    return {
+        "busy port": (["--port", str(port)], f"cannot listen on 127.0.0.1:{port}: Address already in use"),
+        "typo": (["--model", "./starcoderr"], "--model './starcoderr' is not a directory"),
+        "no tokenizer": (["--model", str(no_tokenizer)],
+                         f"autotp serve needs a tokenizer, and none loads from {no_tokenizer} ("),
+        "varlen on a CPU": (["--attention", "varlen"], "--attention varlen runs on CUDA only (FlashAttention-2), "
+                                                       "not on cpu: use --attention sdpa"),
+    }
+
+
+def test_each_mistake_is_one_line_before_the_server_is_imported(no_tokenizer):
+    """One Python runs each mistake alone and with --tp 2, as `autotp serve ...` would (autotp.cli.main), then
+    says which heavy modules it imported: none, so neither the server nor a rank ever started."""
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        cases = mistakes(busy.getsockname()[1], no_tokenizer)
+        code = ("import json, sys, autotp.cli\n"
+                f"cases = {json.dumps({name: flags for name, (flags, _) in cases.items()})}\n"
+                "codes = {}\n"
+                "for name, flags in cases.items():\n"
+                "    for tp in ([], ['--tp', '2']):\n"
+                "        codes[' '.join([name, *tp])] = autotp.cli.main(['serve', '--port', '0', *flags, *tp])\n"
+                f"print(json.dumps([codes, sorted(m for m in {HEAVY!r} if m in sys.modules)]))\n")
+        env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
+                             cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    codes, imported = json.loads(out.stdout)
+    assert imported == [], imported
+    assert set(codes.values()) == {2}, codes
+    lines = out.stderr.splitlines()
+    assert len(lines) == 2 * len(cases), out.stderr  # one line per refusal, nothing else
+    for line, (_, message) in zip(lines, [case for case in cases.values() for _ in range(2)], strict=True):
+        assert line.startswith(f"autotp: error: {message}"), (line, message)
+
+
+@pytest.mark.timeout(120)
+def test_under_torchrun_rank_0_says_it_before_the_server_is_imported(tmp_path, no_tokenizer):
+    """Each rank runs the command itself. A busy port is rank 0's alone to find (only rank 0 binds it; ranks that
+    probed it too would refuse one another): rank 0 says it, and torchrun stops rank 1. A typo every rank finds:
+    rank 0 says it, once, and no rank imported the server."""
+    ranks = tmp_path / "ranks"
+    ranks.mkdir()
+    script = tmp_path / "rank.py"
+    script.write_text("import json, os, sys, autotp.cli\n"
+                      "code = autotp.cli.main(sys.argv[1:])\n"
+                      f"heavy = sorted(m for m in {HEAVY!r} if m in sys.modules)\n"
+                      f"(__import__('pathlib').Path({str(ranks)!r}) / os.environ['RANK']).write_text("
+                      "json.dumps([code, heavy]))\n"
+                      "sys.exit(code)\n")
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        cases = mistakes(busy.getsockname()[1], no_tokenizer)
+        for name, expect in (("busy port", {"0": [2, []]}), ("typo", {"0": [2, []], "1": [2, []]})):
+            for done in ranks.iterdir():
+                done.unlink()
+            flags, message = cases[name]
+            out = torchrun(2, "serve", *flags, script=str(script))
+            assert out.returncode != 0
+            assert [line[:len(f"autotp: error: {message}")] for line in error_lines(out.stderr)] == [
+                f"autotp: error: {message}"], out.stderr
+            for rank, said in expect.items():  # (exit code, heavy modules imported) of the ranks that refused
+                assert json.loads((ranks / rank).read_text()) == said, (name, rank, out.stderr)
