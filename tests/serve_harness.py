@@ -49,7 +49,7 @@ class Server:
 
     def __init__(self, model_dir: str | None, log: Path, *args: str, api_key: str = "unused", ranks: int = 2,
                  script: str | None = None, env: dict | None = None, torchrun: bool = True, tp_flag: bool = False,
-                 dtype: str | None = "float32", wait: bool = True):
+                 dtype: str | None = "float32", wait: bool = True, prefix: tuple[str, ...] = ()):
         """script: a file torchrun runs instead of `-m autotp` (one that patches autotp, then calls its main).
         model_dir None: the embedded demo model, served as autotp-demo. torchrun=False: one process, `python -m
         autotp serve` (tp 1), as a user starts it without torchrun. tp_flag: `python -m autotp serve --tp RANKS`,
@@ -57,11 +57,11 @@ class Server:
         choice); float32 by default because the tests' checkpoints and their HF oracle are float32, and serve would
         hold them in bfloat16 on a CPU with native bfloat16 products (startup/weight_form.py). wait False: started,
         and up() waits for it, so that servers a test needs together start at once (each start is mostly one
-        core's imports)."""
+        core's imports). prefix: the command the server is started under, e.g. ("nohup",)."""
         self.model_id, self.log, self.api_key = Path(model_dir).name if model_dir else "autotp-demo", log, api_key
         entry = [script] if script else ["-m", "autotp"]
         model = ["--model", model_dir] if model_dir else []
-        launcher = ([sys.executable] if tp_flag or not torchrun else
+        launcher = [*prefix] + ([sys.executable] if tp_flag or not torchrun else
                     [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port",
                      str(free_port())])
         dtype = ["--dtype", dtype] if dtype and "--dtype" not in args else []

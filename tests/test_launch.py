@@ -5,6 +5,8 @@ and the lines a user sees; for a bad flag, the message (answered before torch is
 import, not by time)."""
 
 import os
+import pty
+import select
 import signal
 import socket
 import subprocess
@@ -12,8 +14,10 @@ import sys
 import time
 from pathlib import Path
 
+import openai
 import pytest
 from commands import by_hand, cli, error_lines, run
+from pool import free_port
 from serve_harness import Server, alive, children
 
 from autotp.launch import outcome
@@ -82,6 +86,67 @@ def test_two_servers_with_tp_2_on_one_host_serve_then_stop(tmp_path):
     finally:
         first.kill()
         second.kill()
+
+
+def serving(fd: int, timeout: float = 150) -> str:
+    """The terminal's output until the server's start-up line."""
+    seen, deadline = b"", time.monotonic() + timeout
+    while b"autotp serve: serving" not in seen:
+        assert time.monotonic() < deadline, seen.decode(errors="replace")
+        if select.select([fd], [], [], 1)[0]:
+            seen += os.read(fd, 4096)
+    return seen.decode(errors="replace")
+
+
+@pytest.mark.timeout(300)
+def test_a_terminal_that_closes_drains_the_server_and_exits_129():
+    """`autotp serve --tp 2` typed in a terminal that is then closed (an ssh session dropped): the kernel hangs up
+    its controlling process with SIGHUP, and after that a write to the terminal fails. The request in flight runs to
+    its end, every rank stops and the exit code says it was hung up, as a shell reports it (128 + 1); before, the
+    stream was cut and it was `starting 2 ranks failed: SignalException ...`, exit 1."""
+    port = free_port()
+    pid, terminal = pty.fork()
+    if pid == 0:  # the terminal's process, as a shell would exec it
+        os.environ["OMP_NUM_THREADS"] = "1"
+        os.execv(sys.executable, [sys.executable, "-m", "autotp", "serve", "--tp", "2", "--port", str(port)])
+    try:
+        serving(terminal)
+        ranks = children(pid)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        stream = iter(client.completions.create(model="autotp-demo", prompt=PROMPT, max_tokens=64, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}))
+        next(stream)
+        os.close(terminal)  # the terminal closes
+        assert [c.usage.completion_tokens for c in stream if c.usage] == [64]
+        _, status = os.waitpid(pid, 0)
+    finally:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    assert os.waitstatus_to_exitcode(status) == 129
+    assert len(ranks) == 2 and not [p for p in ranks if alive(p)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_under_nohup_a_hang_up_stays_ignored_and_the_log_says_why_a_server_stopped(tmp_path):
+    """`nohup autotp serve --tp 2 &`: SIGHUP is ignored, as nohup promises, and the server answers on. Sent where it
+    is not ignored (`autotp serve --tp 2 > log 2>&1 &` and the terminal closes), the log's last line says so."""
+    kept = Server(None, tmp_path / "kept.log", tp_flag=True, prefix=("nohup",), wait=False)
+    hung = Server(None, tmp_path / "hung.log", tp_flag=True, wait=False)
+    try:
+        for server in (kept, hung):
+            server.up()
+            server.proc.send_signal(signal.SIGHUP)
+        assert hung.proc.wait(timeout=60) == 129, hung.text()
+        assert hung.text().splitlines()[-1] == "autotp serve: hung up (SIGHUP): stopped", hung.text()
+        assert plain(hung.text()) == [], hung.text()
+        time.sleep(1)  # what a forwarded SIGHUP would have stopped by now
+        assert kept.client.completions.create(model="autotp-demo", prompt=PROMPT, max_tokens=4).usage
+        kept.proc.send_signal(signal.SIGTERM)
+        assert kept.proc.wait(timeout=60) == 0, kept.text()
+    finally:
+        kept.kill()
+        hung.kill()
 
 
 def rank_environment(pid: int) -> list[str]:
@@ -169,3 +234,6 @@ def test_the_launchers_outcome():
     assert outcome({0: (-15, 10), 1: (-15, 11)}, [signal.SIGTERM]) == (143, [])
     assert outcome({0: (-9, 10)}, [signal.SIGINT, signal.SIGINT]) == (130, [])
     assert outcome({0: (130, 10), 1: (130, 11)}, [signal.SIGINT]) == (130, [])
+    # a hang-up: generate's ranks die of it (129); the server drains and its rank 0 exits 129 itself
+    assert outcome({0: (-1, 10), 1: (-1, 11)}, [signal.SIGHUP]) == (129, [])
+    assert outcome({0: (129, 10)}, [signal.SIGHUP]) == (129, [])

@@ -7,9 +7,12 @@ WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT of that store), in its own session, so 
 reaches this process only.
 
 What this adds to torchrun's behaviour, and the reason it is not `torchrun` itself:
-- SIGINT/SIGTERM are forwarded once to every rank, which do what they do under torchrun (the server
-  drains, then every rank stops), and the launcher waits for them with no deadline: a drain that ends
-  well is exit 0, not torchrun's `SignalException` traceback and exit 1. A second signal kills the ranks.
+- SIGINT, SIGTERM and SIGHUP (a closed terminal) are forwarded once to every rank, which do what they do
+  under torchrun (the server drains, then every rank stops), and the launcher waits for them with no
+  deadline: a drain that ends well is exit 0 (129 after a hang-up: the server says so), not torchrun's
+  `SignalException` traceback and exit 1. A second SIGINT or SIGTERM kills the ranks; a second SIGHUP does
+  not (a closing terminal can send it twice: its shell's, and the kernel's to the foreground job). An
+  ignored SIGHUP stays ignored: under `nohup` the ranks outlive the terminal.
 - Failures are autotp's lines: a rank that fails with autotp's error has said its one line already
   (autotp.distributed.fail), so the launcher adds nothing and exits with the rank's code (2 for bad
   input); a rank that dies of a signal it was not sent is named in one line. torchrun's failure report
@@ -27,7 +30,7 @@ import tempfile
 import uuid
 from pathlib import Path
 
-FORWARDED = (signal.SIGINT, signal.SIGTERM)
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # Set in each rank's environment: this launcher names a rank whose process ended (its signal, or the rank has said
 # its own failure), so a peer that only saw it go (parallel.shm.PeerGone) has nothing to add
 NAMES_EXITS = "AUTOTP_LAUNCHER_NAMES_EXITS"
@@ -84,7 +87,7 @@ def outcome(failures: dict[int, tuple[int, int]], received: list[int]) -> tuple[
     and nothing is added: the lowest failing rank's, 2 for bad input. A rank ended by a signal nobody sent
     it (the kernel's OOM killer, a segfault, a `kill -9`) is named, once; the SIGTERM with which the agent
     then stops the others is not a failure of theirs. After a forwarded SIGINT/SIGTERM,
-    ranks ended by it were stopped, not failed: 128 + the signal, as a shell reports it."""
+    ranks ended by it were stopped, not failed: 128 + the signal, as a shell reports it (130, 143, 129)."""
     sent = set(received[:1]) | ({signal.SIGKILL} if len(received) > 1 else set())
     if any(code != -signal.SIGTERM for code, _ in failures.values()):
         sent.add(signal.SIGTERM)  # the agent stops the other ranks with SIGTERM once one has failed
@@ -113,6 +116,8 @@ def launch(tp: int, argv: list[str]) -> int:
     received: list[int] = []
 
     def forward(sig: int, _frame) -> None:
+        if received and sig == signal.SIGHUP:  # the terminal's second hang-up, or one after a stop: nobody asked twice
+            return
         received.append(sig)
         if len(received) > 1:
             print(f"autotp: second {signal.Signals(sig).name}: stopping every rank now", file=sys.stderr, flush=True)
@@ -122,14 +127,16 @@ def launch(tp: int, argv: list[str]) -> int:
         else:
             _signal_ranks(sig)
 
-    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED
+                if sig != signal.SIGHUP or signal.getsignal(sig) != signal.SIG_IGN}  # nohup's stays ignored
     try:
         with tempfile.TemporaryDirectory(prefix="autotp-launch-") as logs:
             config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=tp, run_id=str(uuid.uuid4()),
                                   rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
                                   logs_specs=DefaultLogsSpecs(log_dir=logs),
-                                  # SIGINT and SIGTERM are forward()'s; the agent keeps its handling of the rest
-                                  signals_to_handle="SIGHUP,SIGQUIT")
+                                  # SIGINT, SIGTERM and SIGHUP are forward()'s; the agent keeps its handling of
+                                  # SIGQUIT
+                                  signals_to_handle="SIGQUIT")
             try:
                 elastic_launch(config, sys.executable)("-m", "autotp", *argv)
                 return 0

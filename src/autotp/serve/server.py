@@ -40,6 +40,7 @@ from autotp.serve.lockstep.executor import Lockstep, follow
 from autotp.serve.lockstep.step import Step
 from autotp.serve.lockstep.wire import Channel
 from autotp.serve.options import ServeOptions
+from autotp.serve.preflight import NO_TOKENIZER
 from autotp.serve.runner.attention.backends import BACKENDS, choose
 from autotp.serve.runner.compiled import cache_dir
 from autotp.serve.runner.kv_cache import KvPool
@@ -137,8 +138,7 @@ def serve(model: str, model_id: str, opts: ServeOptions = ServeOptions()) -> int
     dtype, held = weight_form.choose_dtype(opts.dtype, checkpoint.floating_dtype(), env.device, opts.quantize)
     tokenizer_dir = resolve_model_dir(opts.tokenizer, TOKENIZER_FILES, flag="--tokenizer") if opts.tokenizer else None
     tokenizer = load_tokenizer(tokenizer_dir or model_dir,
-                               missing="autotp serve needs a tokenizer, and none loads from {source} ({cause}): "
-                                       "give --tokenizer")
+                               missing=NO_TOKENIZER)
     max_model_len, source = context_limit(config, tokenizer, opts.max_model_len)
     # the input guard's per-forward all-reduce has nothing to catch here: rank 0 sends every input itself
     net = autotp.from_pretrained(model_dir, dtype=dtype, device=opts.device, quantize=opts.quantize,
@@ -168,8 +168,16 @@ def serve(model: str, model_id: str, opts: ServeOptions = ServeOptions()) -> int
     gc.collect()
     gc.freeze()
     stopping = StopFlag()
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, lambda *_: stopping.set())
+    stopped_by: list[int] = []  # after a hang-up the server exits 129, as a shell reports one
+
+    def stop(sig: int, _frame) -> None:
+        stopped_by.append(sig)
+        stopping.set()
+
+    # SIGHUP (a closed terminal) drains too, unless it is ignored: under nohup the server outlives its terminal
+    hangup = () if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN else (signal.SIGHUP,)
+    for sig in (signal.SIGINT, signal.SIGTERM, *hangup):
+        signal.signal(sig, stop)
     if env.rank != 0:
         code = follow(runner, channel, stopping)
         channel.close()  # every rank got "stop": the group is whole (a broken one is left to the exit)
@@ -199,5 +207,6 @@ def serve(model: str, model_id: str, opts: ServeOptions = ServeOptions()) -> int
     http.stop()
     if code == 0:
         channel.close()
-    log("stopped" if code == 0 else "exited after a rank failure")
-    return code
+    hung_up = code == 0 and stopped_by[:1] == [signal.SIGHUP]
+    log("hung up (SIGHUP): stopped" if hung_up else "stopped" if code == 0 else "exited after a rank failure")
+    return 128 + signal.SIGHUP if hung_up else code

@@ -130,5 +130,8 @@ class StopFlag:
 
 
 def log(message: str) -> None:
-    sys.stderr.write(f"autotp serve: {message}\n")  # one write: lines from the HTTP and engine threads never merge
-    sys.stderr.flush()
+    try:
+        sys.stderr.write(f"autotp serve: {message}\n")  # one write: lines from the HTTP and engine threads never merge
+        sys.stderr.flush()
+    except OSError:  # a terminal that hung up (EIO): the server drains and stops without its lines
+        pass
