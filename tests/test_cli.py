@@ -1,6 +1,7 @@
 """The command line as a user runs it: `autotp plan` alone, `autotp generate` under torchrun."""
 
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -120,6 +121,47 @@ def test_help_and_flag_errors_import_neither_torch_nor_transformers():
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     out = run([sys.executable, "-c", code])
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
+
+
+def test_version_names_autotp_torch_and_transformers_at_once():
+    """`autotp --version` for a bug report: the versions pip installed, read without importing torch."""
+    from importlib.metadata import version
+
+    out = autotp("--version")
+    assert out.returncode == 0 and out.stdout == (f"autotp {version('autotp')} (torch {version('torch')}, "
+                                                  f"transformers {version('transformers')})\n"), out.stderr
+    code = ("import sys, autotp.cli\n"
+            "try:\n"
+            "    autotp.cli.main(['--version'])\n"
+            "except SystemExit as e:\n"
+            "    print(e.code, sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    assert run([sys.executable, "-c", code]).stdout.splitlines()[-1] == "0 []"
+
+
+def test_pip_show_names_the_author_and_the_version_autotp_prints():
+    import autotp
+
+    out = run([sys.executable, "-m", "pip", "show", "autotp"])
+    fields = dict(line.split(": ", 1) for line in out.stdout.splitlines() if ": " in line)
+    assert fields["Author"] == "The autotp maintainers" and fields["License"] == "Apache-2.0", out.stdout
+    assert fields["Version"] == autotp.__version__  # pyproject reads it from autotp.__version__
+
+
+def test_help_lists_every_environment_variable_autotp_reads():
+    """Every AUTOTP_* name in the package's code, OMP_NUM_THREADS and CC, each with its line, in each command's
+    --help; and no name the code no longer reads."""
+    from autotp.environment import VARIABLES
+
+    package = ROOT / "src" / "autotp"
+    code = "\n".join(p.read_text() for p in package.rglob("*.py") if p.name != "environment.py")
+    read = set(re.findall(r"\bAUTOTP_[A-Z_]+\b", code))
+    assert {name for name in VARIABLES if name.startswith("AUTOTP_")} == read
+    assert [name for name in VARIABLES if not re.search(rf"\b{name}\b", code)] == []
+    for command in ([], ["plan"], ["generate"], ["serve"]):
+        out = autotp(*command, "--help")
+        shown = out.stdout[out.stdout.index("environment variables:"):].splitlines()[1:]
+        assert shown == [line for name, text in VARIABLES.items() for line in (f"  {name}", f"      {text}")]
+        assert max(map(len, shown)) <= 80, command
 
 
 def test_the_entry_points_resolve_on_first_use():
