@@ -1,7 +1,8 @@
 """README's "How it works" against the tree: it names every module and no module that is gone, so it
-cannot go stale; and the layers it describes import one way. The README's cheap commands, run: the two
-commands CI runs, the serve flags table against `--help`, the `plan` examples, the quickstart's server and
-curl, and what the editor snippets make their editors send to that server."""
+cannot go stale; and the layers it describes import one way. The README's commands, run: the two commands CI
+runs, the serve flags table against `--help`, every sample output against what its command prints (the
+`generate` ones at their tp in a slow test), the quickstart's server and curl, and what the editor snippets make
+their editors send to that server."""
 
 import json
 import re
@@ -89,18 +90,148 @@ def test_the_serve_flags_table_is_made_from_the_parser_and_matches_help():
     assert in_table == in_help, (in_table ^ in_help)
 
 
-def test_the_plan_examples_print_what_the_readme_shows():
-    for block in blocks(""):
-        if not block.startswith("$ .venv/bin/autotp plan"):
+# --- the README's sample outputs against what their commands print ---
+
+def fences(text: str = README) -> list[tuple[str, list[str]]]:
+    """Every fenced block as (its language, its lines), read fence by fence: an opening fence names the language (or
+    none), a closing fence is bare, and a block indented under a list item is dedented by its fence's indent. (A
+    pattern from ``` to ``` cannot tell a closing fence from the next opening one: it read prose as blocks.)"""
+    found, current = [], None
+    for line in text.splitlines():
+        stripped = line.lstrip()
+        if current is None and stripped.startswith("```"):
+            current = (stripped[3:].strip(), len(line) - len(stripped), [])
+        elif current is not None and stripped == "```":
+            found.append((current[0], current[2]))
+            current = None
+        elif current is not None:
+            current[2].append(line[current[1]:])
+    assert current is None, "a fence is left open"
+    return found
+
+
+def samples() -> list[tuple[str, list[str]]]:
+    """The README's sample outputs: plain blocks that open with the command that printed them (`$ ...`, continued
+    by trailing backslashes) -> (the command, the lines shown)."""
+    found = []
+    for language, lines in fences():
+        if language or not lines[0].startswith("$ "):
             continue
-        command, *shown = block.splitlines()
-        out = subprocess.run([sys.executable, "-m", "autotp", *command.split()[2:]], capture_output=True, text=True,
-                             timeout=120, cwd=ROOT)
+        end = next(i for i, line in enumerate(lines) if not line.endswith("\\"))
+        command = " ".join(line.removesuffix("\\").strip() for line in lines[:end + 1]).removeprefix("$ ")
+        found.append((command, lines[end + 1:]))
+    return found
+
+
+def difference(shown: list[str], printed: list[str]) -> str | None:
+    """None where `printed` is what the README shows: its lines in order, each run between lines "..." (any indent:
+    lines left out) consecutive; without "..." at an end the output starts or ends there. Else what differs.
+    Trailing spaces and trailing empty lines are not compared."""
+    shown = [line.rstrip() for line in shown]
+    printed = [line.rstrip() for line in printed]
+    while printed and not printed[-1]:
+        printed.pop()
+    runs, run = [], []
+    for line in shown:
+        if line.strip() == "...":
+            runs.append(run)
+            run = []
+        else:
+            run.append(line)
+    runs.append(run)
+    at = 0
+    for i, run in enumerate(runs):
+        if not run:
+            continue
+        starts = [j for j in range(at, len(printed) - len(run) + 1) if printed[j:j + len(run)] == run]
+        if not starts or (i == 0 and starts[0] != 0):  # where the run's first line is, the first line that differs
+            begin = 0 if i == 0 else next((j for j in range(at, len(printed)) if printed[j] == run[0]), None)
+            if begin is None:
+                return f"not printed: {run[0]!r}"
+            k = next(k for k in range(len(run)) if begin + k >= len(printed) or printed[begin + k] != run[k])
+            return f"shown {run[k]!r}, printed {printed[begin + k] if begin + k < len(printed) else 'nothing'!r}"
+        at = starts[0] + len(run)
+    if runs[-1] and at != len(printed):
+        return f"printed after the last line shown: {printed[at]!r}"
+    return None
+
+
+def autotp_argv(command: str) -> list[str]:
+    """A sample's `.venv/bin/autotp ARGS` as argv for autotp.cli.main, ~ expanded."""
+    import os
+    import shlex
+
+    program, *args = shlex.split(command)
+    assert program == ".venv/bin/autotp", command
+    return [os.path.expanduser(a) for a in args]
+
+
+def test_every_plain_block_is_a_sample_or_another_tools_message():
+    """A block of output names the command that printed it (`$ ...`), so a test can run it; the one other is
+    DeepSpeed's error on StarCoder, whose numbers follow from StarCoder's config at mp_size 4: c_attn's
+    n_embd + 2 * head_dim rows cut evenly, split as embed_dim / 4 query rows and one K/V head's 2 * head_dim."""
+    others = [lines for language, lines in fences() if not language and not lines[0].startswith("$ ")]
+    assert others == [["RuntimeError: split_with_sizes expects split_sizes to sum exactly to 1600 (input tensor's "
+                        "size at dimension 2), but got split_sizes=[1536, 256]"]], others
+    config = json.loads((ROOT / "examples" / "starcoder" / "config.json").read_text())
+    head_dim = config["n_embd"] // config["n_head"]
+    assert ((config["n_embd"] + 2 * head_dim) // 4, [config["n_embd"] // 4, 2 * head_dim]) == (1600, [1536, 256])
+    kinds = {autotp_argv(command)[0] for command, _ in samples()}
+    assert kinds == {"plan", "generate"}, kinds  # each kind is run below: a new one needs its test
+
+
+def test_the_plan_samples_print_what_the_readme_shows(capsys):
+    from test_cli import cli
+
+    plans = [(c, shown) for c, shown in samples() if autotp_argv(c)[0] == "plan"]
+    assert len(plans) == 3
+    for command, shown in plans:
+        code, out, err = cli(capsys, *autotp_argv(command))
+        assert code == 0, err
+        assert difference(shown, out.splitlines()) is None, (command, difference(shown, out.splitlines()))
+
+
+def test_the_starcoder_sizes_per_rank_are_the_plans():
+    """The table of StarCoder's bytes per rank, bf16 / int8 / int4 at tp 2 and 4: rank 0's total in each plan."""
+    from autotp.report import format_report, plan_report
+
+    table = README[README.index("| StarCoder 15.5B, per rank |"):].split("\n\n")[0].splitlines()[2:]
+    for row in table:
+        tp, *sizes = [cell.strip() for cell in row.strip("|").split("|")]
+        for quantize, size in zip((None, "int8", "int4"), sizes, strict=True):
+            report = format_report(plan_report(str(ROOT / "examples" / "starcoder"), int(tp.removeprefix("tp ")),
+                                               quantize=quantize))
+            rank_0 = next(line for line in report.splitlines() if line.startswith("rank 0:"))
+            assert rank_0.endswith(f", {size}"), (row, quantize, rank_0)
+
+
+def test_the_first_screens_sample_is_what_one_process_prints(capsys):
+    """The demo's sample is --tp 4's, which its README text says is tp 1's too: here at tp 1, in this process
+    (the exact command, 4 ranks, is the slow test below)."""
+    from test_cli import cli
+
+    [(command, shown)] = [(c, shown) for c, shown in samples() if c in FIRST_SCREEN]
+    argv = autotp_argv(command)
+    assert argv[:3] == ["generate", "--tp", "4"]
+    code, out, err = cli(capsys, "generate", *argv[3:])
+    assert code == 0, err
+    assert difference(shown, out.splitlines()) is None, difference(shown, out.splitlines())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_generate_samples_print_what_the_readme_shows():
+    """Each `autotp generate` sample as written: the demo at tp 4, SmolLM2-135M at tp 3 (tests/real_model.py makes
+    it once, as the README's command before the sample does)."""
+    import real_model
+
+    for command, shown in [(c, shown) for c, shown in samples() if autotp_argv(c)[0] == "generate"]:
+        argv = [str(real_model.smollm2()) if a.endswith("/autotp-tests/smollm2-135m-instruct-f32") else a
+                for a in autotp_argv(command)]
+        out = subprocess.run([sys.executable, "-m", "autotp", *argv], capture_output=True, text=True, timeout=600,
+                             cwd=ROOT)
         assert out.returncode == 0, out.stderr
-        printed = iter(out.stdout.splitlines())
-        for line in shown:  # in order, "..." standing for lines left out
-            if line.strip() != "...":
-                assert line in printed, (command, line)
+        assert difference(shown, out.stdout.splitlines()) is None, (command, difference(shown, out.stdout.splitlines()))
 
 
 @pytest.fixture(scope="module")
