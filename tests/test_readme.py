@@ -59,7 +59,8 @@ FIRST_SCREEN = README[:README.index("\n## ")]
 
 
 def blocks(lang: str, text: str = README) -> list[str]:
-    return re.findall(rf"```{lang}\n(.*?)```", text, re.S)
+    """The fenced blocks in language `lang`, as text (fences, below, reads them)."""
+    return ["\n".join(lines) + "\n" for language, lines in fences(text) if language == lang]
 
 
 def test_the_first_two_commands_are_what_ci_runs():
