@@ -3,8 +3,8 @@
     python benchmarks/cli_startup.py --label after [--runs 5]
     PYTHONPATH=/tmp/cli_before/src python benchmarks/cli_startup.py --label before   # another checkout
 
-Prints median and min wall seconds per command against the goal (issue 11: `--help` and a flag error
-under 0.5 s, `autotp plan` of a config under 3 s; issue 36: another tool's flag, with its hint, under 0.3 s)
+Prints median and min wall seconds per command against its goal (`--help` and a flag error under 0.5 s,
+`autotp plan` of a config under 3 s, another tool's flag, with its hint, under 0.3 s)
 and stores them under `label` in benchmarks/results/cli_startup.json, next to the other labels already
 there. Wall time includes the interpreter's start; the command is `python -m autotp`, which runs the same
 `entry()` as the `autotp` script. Which autotp is measured is whatever `import autotp` finds (PYTHONPATH first).
@@ -28,7 +28,7 @@ RESULTS = ROOT / "benchmarks" / "results" / "cli_startup.json"
 COMMANDS = [
     ("--help", ["--help"], 0, 0.5),
     ("bad flag", ["plan", "--tp", "0"], 2, 0.5),
-    ("another tool's flag", ["serve", "--num-shard", "2"], 2, 0.3),  # issue 36: answered before torch is imported
+    ("another tool's flag", ["serve", "--num-shard", "2"], 2, 0.3),  # answered before torch is imported
     ("plan starcoder tp 4", ["plan", "--model", str(ROOT / "examples" / "starcoder"), "--tp", "4"], 0, 3.0),
 ]
 

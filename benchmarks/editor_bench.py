@@ -165,7 +165,7 @@ def main() -> None:
                                                              "128 256 448)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--run", help="keep this run under runs/RUN in the results file (default: the file's top "
-                                      "level, where RESULTS.md's issue-24 tables come from)")
+                                      "level, where RESULTS.md's paged-engine tables come from)")
     args = parser.parse_args()
     from transformers import AutoTokenizer
 

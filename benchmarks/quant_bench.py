@@ -1,4 +1,4 @@
-"""bf16 vs weight-only int8 vs int4 (group 128) at tp 1, 2, 4 on the starcoderbase-1b shape (issue 12), one run.
+"""bf16 vs weight-only int8 vs int4 (group 128) at tp 1, 2, 4 on the starcoderbase-1b shape, one run.
 
 Per (tp, mode) one torchrun of quant_worker.py with OMP_NUM_THREADS = max(1, 2 // tp): per-rank peak RSS of
 the load and of the timed phases, then rank 0's medians of decode ms/token at batch 1 (16 greedy steps on the
@@ -8,7 +8,7 @@ Prints the tables and the goals, writes benchmarks/results/quant_bench.json.
 
     python benchmarks/quant_bench.py [--tp 1 2 4] [--rounds 3] [--rounds-tp4 1] [--report]
 
-Goals (issue 12): per-rank peak RSS of int8 <= 0.6 x and int4 <= 0.4 x bf16's weights/tp, plus the same
+Goals: per-rank peak RSS of int8 <= 0.6 x and int4 <= 0.4 x bf16's weights/tp, plus the same
 runtime floor (bf16's load peak minus its weights, from the same run); decode at batch 1 int8 <= 0.6 x and
 int4 <= 0.5 x bf16 at tp 1 and 2; no timed case slower than bf16 by more than 10 %.
 """

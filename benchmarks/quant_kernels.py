@@ -1,4 +1,4 @@
-"""CPU kernels for one StarCoder linear layer, one thread: bf16 F.linear vs weight-only int8 and int4 (issue 12).
+"""CPU kernels for one StarCoder linear layer, one thread: bf16 F.linear vs weight-only int8 and int4.
 
 Per weight shape (out, in) and input rows M, the median ms of:
 - bf16:          F.linear(x, w)

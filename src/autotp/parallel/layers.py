@@ -141,7 +141,7 @@ class VocabParallelLMHead(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x (..., hidden) as (tokens, hidden): generate keeps the last position, a (1, 1, hidden) view with the
         # strides of (1, prompt, hidden), and F.linear on that view copied the whole bf16 weight for the product
-        # (+48 MiB peak per rank for starcoderbase-1b at tp 4; 7 MiB on the 2-D view): issue 26's memory
+        # (+48 MiB peak per rank for starcoderbase-1b at tp 4; 7 MiB on the 2-D view; benchmarks/load_memory.py)
         y = gemv.linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias).view(*x.shape[:-1], self.out_features)
         return all_gather_last_dim(y, self.vocab_sizes, self.group)
 
