@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_cli import error_lines, torchrun
+from test_cli import by_hand, error_lines, torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "src" / "autotp" / "demo_model"
@@ -86,6 +86,19 @@ def test_under_torchrun_rank_0_says_it_before_the_server_is_imported(tmp_path):
     message = f"autotp: error: cannot listen on 127.0.0.1:{port}: Address already in use"
     assert [line[:len(message)] for line in error_lines(out.stderr)] == [message], out.stderr
     assert json.loads((tmp_path / "0").read_text()) == [2, []]  # rank 0: exit 2, nothing heavy imported
+
+@pytest.mark.timeout(150)
+def test_without_an_agent_that_stops_the_ranks_every_rank_hears_of_the_busy_port():
+    """The `deepspeed` launcher's environment (ranks started alike, no torchrun agent to stop rank 1 once rank 0
+    exits): rank 0 leaves the port to the server, whose refusal every rank hears, so rank 1 does not wait for
+    it at the rendezvous. One line, every rank exits 2."""
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        ranks = by_hand(2, "serve", "--port", str(port))
+    assert [code for code, _, _ in ranks] == [2, 2], ranks
+    lines = [line for _, _, err in ranks for line in error_lines(err)]
+    assert len(lines) == 1 and lines[0].startswith(f"autotp: error: cannot listen on 127.0.0.1:{port}: "), ranks
+
 
 def test_a_port_taken_after_the_early_check_is_still_refused_where_it_is_bound():
     """The early check lets go of the port: what takes it before the server binds is refused by the server, in the

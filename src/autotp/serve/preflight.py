@@ -33,7 +33,7 @@ def check(opts: ServeOptions, model: str, starts_ranks: bool = False) -> None:
     """Raise server.py's AutotpError for what needs no model, in server.py's order. model: --model, a directory
     or hub id; starts_ranks: this process is `--tp N`'s launcher, whose ranks run `check` again."""
     _attention(opts, starts_ranks)
-    if os.environ.get("RANK", "0") == "0":  # the one process that binds the port, or the launcher before it starts
+    if _binds_alone():
         _port(opts.host, opts.port)
     model_dir = local_dir(model, "--model")
     if model_dir is not None:
@@ -46,6 +46,17 @@ def check(opts: ServeOptions, model: str, starts_ranks: bool = False) -> None:
         from autotp.tokenizer import load_tokenizer
 
         load_tokenizer(str(tokenizer_dir), missing=NO_TOKENIZER)
+
+
+def _binds_alone() -> bool:
+    """Whether this process may ask for the port: it is the one that binds it (rank 0), or the launcher before it
+    starts the ranks, and a refusal here strands no peer. Alone, or under an elastic agent (torchrun, --tp N), which
+    stops the other ranks once rank 0 exits; under a launcher without one (the `deepspeed` launcher's environment,
+    ranks started by hand) the other ranks would wait for rank 0 at the rendezvous, so the port is left to
+    server.py, whose refusal every rank hears."""
+    if os.environ.get("RANK", "0") != "0":
+        return False
+    return int(os.environ.get("WORLD_SIZE", "1")) == 1 or "TORCHELASTIC_RUN_ID" in os.environ
 
 
 def _attention(opts: ServeOptions, starts_ranks: bool) -> None:
