@@ -4,9 +4,10 @@ process (the engine as serve runs it, without HTTP), every core.
 The engine's step is timed in its parts by wrapping them: the linear products (every `gemv.linear` call: gemv.c's
 few-row kernel or F.linear), the paged attention (`StepCache.attend` and the KV writes of `update`), the rest of
 the forward (norms, rotary, activations, the model's Python), and outside the forward: planning, the step's wire
-and applying it, sampling and detokenizing (`next_tokens.take`, `output.process`). The HTTP side is what llama_bench.py's streamed
-ms/token adds to the engine's step. Decode: one greedy row, 64 steps after its prompt; prefill: a 400-token prompt
-in one chunk, 1 new token (a new prompt each time: nothing cached). Medians over --repeats.
+and applying it, sampling and detokenizing (`next_tokens.take`, `output.process`). The HTTP side is what
+llama_bench.py's streamed ms/token adds to the engine's step. Decode: one greedy row, 64 steps after its prompt;
+prefill: a 400-token prompt in one chunk, 1 new token (a new prompt each time: nothing cached). Medians over
+--repeats.
 
     python benchmarks/step_profile.py [--dtype float32] [--repeats 5]     # AUTOTP_GEMV=0: F.linear throughout
 

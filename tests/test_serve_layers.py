@@ -18,7 +18,8 @@ MAY_IMPORT = {
     "lockstep": {"types", "lockstep.step"},  # wire, watchdog, executor: the runner is handed in, never imported
     "startup": {"types", "options", "lockstep", "runner"},
     "api": {"types", "engine"},
-    "server": {"types", "options", "lockstep.step", "lockstep", "engine", "runner", "startup", "api"},
+    "preflight": {"options", "runner"},  # the backends' refusals, before the server's imports
+    "server": {"types", "options", "lockstep.step", "lockstep", "engine", "runner", "startup", "api", "preflight"},
 }
 NO_TORCH = ("types", "options", "lockstep.step", "engine", "api")
 

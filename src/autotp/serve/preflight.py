@@ -5,7 +5,8 @@ The command line asks `check` before it imports the server (transformers' model 
 `--tp N`, before it starts a rank, so each of these mistakes is one line within a second or two of the command,
 not after every rank has imported the server and met the others. server.py checks the same things again where it
 uses them (a port can be taken between the two): this module makes a refusal early, never a start-up different.
-Each check calls the rule's owner (varlen.choose, model_dir, Checkpoint, load_tokenizer) rather than a copy of it.
+Each check calls the rule's owner (the attention backends' table, model_dir, Checkpoint, load_tokenizer) rather
+than a copy of it; `listen` is the one bind, here and in server.py.
 
 Not here: a hub id (it is checked where it is fetched), and flags that contradict one another whatever the machine
 (options.py).
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import os
 import socket
-from importlib import import_module
 
 from autotp.errors import AutotpError
 from autotp.model_dir import config_fields, local_dir
@@ -60,7 +60,7 @@ def _binds_alone() -> bool:
 
 
 def _attention(opts: ServeOptions, starts_ranks: bool) -> None:
-    """The backend's own refusals (flex.choose, varlen.choose) on the device this rank will run on."""
+    """The backend's own refusals (runner/attention/backends.choose) on the device this rank will run on."""
     if opts.attention == "sdpa":  # runs everywhere: no device to look at
         return
     from autotp.distributed import resolve_device
@@ -70,18 +70,30 @@ def _attention(opts: ServeOptions, starts_ranks: bool) -> None:
         # the GPU's capability is the ranks' to ask: a CUDA query here could hold a context on GPU 0 in the
         # launcher for as long as the server runs
         return
-    import_module(f"autotp.serve.runner.{opts.attention}").choose(opts.attention, device, opts.block_size)
+    from autotp.serve.runner.attention.backends import choose
+
+    choose(opts.attention, device, opts.block_size)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening socket (port 0: any free one): the server's, bound before the model loads so a busy port fails
+    fast."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family)
+
+
+def refusal(host: str, port: int, e: OSError) -> AutotpError:
+    return AutotpError(f"cannot listen on {host}:{port}: {e.strerror or e}")
 
 
 def _port(host: str, port: int) -> None:
-    """Bind as api/http.py's `listen` does, and let go at once. The bind that serves stays the one server.py
-    makes: a socket held here until then would be a second owner of the port, so this process closes it before
-    any rank starts (a closed listening socket that accepted nothing leaves no TIME_WAIT, and create_server sets
-    SO_REUSEADDR), and only the process that binds, or the launcher before it starts the ranks, asks: under
-    torchrun, ranks probing the same port at once would refuse one another, or rank 0's real bind."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    """Bind as the server does, and let go at once. The bind that serves stays the one server.py makes: a socket
+    held here until then would be a second owner of the port, so this process closes it before any rank starts (a
+    closed listening socket that accepted nothing leaves no TIME_WAIT, and create_server sets SO_REUSEADDR), and
+    only the process that binds, or the launcher before it starts the ranks, asks: under torchrun, ranks probing
+    the same port at once would refuse one another, or rank 0's real bind."""
     try:
-        socket.create_server((host, port), family=family).close()
+        listen(host, port).close()
     except OSError as e:
-        raise AutotpError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+        raise refusal(host, port, e) from None
 

@@ -30,7 +30,7 @@ from autotp.loading.checkpoint import Checkpoint
 from autotp.serve.api import router_api
 from autotp.serve.api.boundary import Served
 from autotp.serve.api.guard import host_policy
-from autotp.serve.api.http import Frontend, HttpThread, build_app, listen
+from autotp.serve.api.http import Frontend, HttpThread, build_app
 from autotp.serve.api.metrics import Metrics
 from autotp.serve.engine.blocks import BlockPool
 from autotp.serve.engine.loop import Engine
@@ -40,7 +40,7 @@ from autotp.serve.lockstep.executor import Lockstep, follow
 from autotp.serve.lockstep.step import Step
 from autotp.serve.lockstep.wire import Channel
 from autotp.serve.options import ServeOptions
-from autotp.serve.preflight import NO_TOKENIZER
+from autotp.serve.preflight import NO_TOKENIZER, listen, refusal
 from autotp.serve.runner.attention.backends import BACKENDS, choose
 from autotp.serve.runner.compiled import cache_dir
 from autotp.serve.runner.kv_cache import KvPool
@@ -127,7 +127,7 @@ def serve(model: str, model_id: str, opts: ServeOptions = ServeOptions()) -> int
         try:
             sock = listen(opts.host, opts.port)
         except OSError as e:
-            error = f"cannot listen on {opts.host}:{opts.port}: {e.strerror or e}"
+            error = str(refusal(opts.host, opts.port, e))
     error = channel.share(error)
     if error:
         raise AutotpError(error)

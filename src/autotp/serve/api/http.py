@@ -344,12 +344,6 @@ async def _stream(call: Call, engine: Engine, frontend: Frontend, metrics: Metri
         call.log(status, error)
 
 
-def listen(host: str, port: int) -> socket.socket:
-    """A listening socket (port 0: any free one), bound before the model loads so a busy port fails fast."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    return socket.create_server((host, port), family=family)
-
-
 class HttpThread:
     """uvicorn in a daemon thread (the main thread belongs to the engine and the signal handlers)."""
 
