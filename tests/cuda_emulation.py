@@ -170,6 +170,7 @@ class CudaRules(TorchDispatchMode):
         super().__init__()
         self.nccl_groups = nccl_groups
         self.syncs: dict[str, int] = {}
+        self.uploads = 0  # blocking copies from the host: a pageable tensor, or a Python value, written to the device
         self.ops = 0
 
     def sync(self, what: str) -> None:
@@ -199,6 +200,11 @@ class CudaRules(TorchDispatchMode):
         if generator is not None and (on_cuda or to_cuda) != _cuda_generator(generator):
             want, got = ("cuda", "cpu") if on_cuda or to_cuda else ("cpu", "cuda")
             raise RuntimeError(f"Expected a '{want}' device type for generator but found '{got}'")
+        if name in CROSS_DEVICE and (to_cuda or isinstance(args[0], Emulated)):
+            source = args[0] if name == "aten::_to_copy" else args[1] if len(args) > 1 else None
+            blocking = not (kwargs.get("non_blocking") or (name == "aten::copy_" and len(args) > 2 and args[2]))
+            if blocking and isinstance(source, torch.Tensor) and not isinstance(source, Emulated):
+                self.uploads += 1
         if on_cuda and (name in SYNCS or name in CROSS_DEVICE and not (to_cuda or isinstance(args[0], Emulated))):
             self.sync(name)  # a value the host waits for: a scalar, a data-dependent shape, a copy to the host
         wrappers = {id(x.inner): x for x in tensors if isinstance(x, Emulated)}

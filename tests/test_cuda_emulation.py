@@ -231,10 +231,11 @@ def test_int4_on_an_emulated_older_gpu_is_refused_before_loading():
 
 
 def test_a_step_waits_for_the_device_once():
-    """A step of the serve engine, greedy and seeded rows, with and without log-probabilities, plain and verifying
-    drafts, waits for the device once: its tokens, their log-probabilities and the drafts' verdicts read back in one
-    host sync (it was 2 + 2 per sampled row, then one per drafted row and one more for log-probabilities), counted
-    as the emulation sees them: every .tolist(), .item() and copy to the host of a cuda tensor."""
+    """A step of the serve engine, greedy and seeded rows (top-k, top-p), with and without log-probabilities, plain
+    and verifying drafts, waits for the device once: its tokens, their log-probabilities and the drafts' verdicts read
+    back in one host sync (it was 2 + 2 per sampled row, then one per drafted row and one more for
+    log-probabilities), counted as the emulation sees them: every .tolist(), .item() and copy to the host of a cuda
+    tensor."""
     from engine_driver import drive, engine_for, job
     from transformers import AutoTokenizer
 
@@ -250,15 +251,16 @@ def test_a_step_waits_for_the_device_once():
                  job(prompt[:6], 6, temperature=0.5, seed=3, index=3, logprobs=0)]
         drafting = [job(prompt, 16, index=4, logprobs=1), job(prompt, 16, temperature=0.1, seed=4, index=5),
                     job(prompt[:12], 6, index=6, prompt_logprobs=True, logprobs=0)]
-        counts = {}
+        counts, blocking = {}, []
         for speculate, rows in ((0, plain), (4, drafting)):
             engine = engine_for(model, tokenizer, speculate=speculate)
             run, steps = engine.executor.runner.run, []
 
             def counted(step, run=run, steps=steps):
-                before = sum(rules.syncs.values())
+                before, uploads = sum(rules.syncs.values()), rules.uploads
                 result = run(step)
                 steps.append((sum(w.draft > 0 for w in step.work), sum(rules.syncs.values()) - before))
+                blocking.append(rules.uploads - uploads)
                 return result
 
             engine.executor.runner.run = counted
@@ -268,6 +270,9 @@ def test_a_step_waits_for_the_device_once():
             counts[speculate] = steps
     assert counts[0] == [(0, 1)] * 6, counts[0]
     assert any(drafted for drafted, _ in counts[4]) and all(syncs == 1 for _, syncs in counts[4]), counts[4]
+    # and it writes nothing to the device from the host but its one pinned copy of the step's index arrays (a top-p
+    # row once wrote a Python False into a device tensor: a blocking copy per row and step)
+    assert blocking == [0] * len(blocking), blocking
 
 
 def test_the_kv_cache_on_cuda_leaves_the_largest_steps_activations_and_what_is_in_use(capsys):
@@ -349,3 +354,22 @@ def test_the_gpu_benchmark_runs_its_eager_systems_under_the_emulation(monkeypatc
     assert [(r["system"], r["batch"]) for r in result["rows"]] == [
         ("hf", 1), ("hf", 2), ("autotp", 1), ("autotp", 2), ("engine/sdpa", 1), ("engine/sdpa", 2)]
     assert result["device"] == "emulated CUDA device" and "ms/token" in capsys.readouterr().out
+
+
+def test_the_compiled_decode_steps_description_crosses_to_the_device_in_one_pinned_copy():
+    """`--compile`'s decode step: its slots, positions, row index and ids leave the host in one non-blocking copy of
+    a pinned buffer (it was three blocking copies per step, each a host wait), and KV copies between blocks too."""
+    import numpy as np
+
+    from autotp.serve.runner.compiled import decode_meta
+    from autotp.serve.runner.kv_cache import KvPool
+
+    with emulated_cuda() as rules:
+        pool = KvPool([(1, 4, torch.float32)], num_blocks=8, block_size=4, device=torch.device("cuda", 0))
+        before = rules.uploads
+        meta, rows, ids, (extra,) = decode_meta(pool, [[3, 5], [6], [1, 2, 7]], [5, 2, 9], "cuda", [11, 12, 13],
+                                                [np.arange(3)])
+        pool.copy([(3, 4, 2)])
+        assert rules.uploads == before, rules.uploads - before
+        assert all(t.device.type == "cuda" for t in (meta.slot_mapping, meta.positions, ids, extra))
+        assert ids.tolist() == [[11, 12, 13, 0]] and rows == 4

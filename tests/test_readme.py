@@ -255,7 +255,7 @@ def post(url: str, body: dict, key: str | None = None) -> tuple[int, bytes]:
     import urllib.error
     import urllib.request
 
-    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key is not None else {})}
     request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=60) as r:
@@ -289,8 +289,9 @@ def events(raw: bytes) -> list[str]:
 
 @pytest.mark.timeout(300)
 def test_the_editor_snippets_work_against_that_server(readme_server):
-    """What Continue, Tabby and llm-vscode build from the README's settings, sent to the README's server: the model
-    name, the address and the FIM tokens must be right as written (they once sent bigcode/starcoder: 404)."""
+    """What Continue, Tabby, llm-vscode, llama.vim and llama.vscode build from the README's settings, sent to the
+    README's server: the model name, the address and the FIM tokens must be right as written (they once sent
+    bigcode/starcoder: 404), and Continue's max tokens, 4096 where the settings give none (the fit rule: a 400 once)."""
     import yaml
 
     continues = [yaml.safe_load(on(readme_server, b))["models"] for b in blocks("yaml")]
@@ -299,10 +300,12 @@ def test_the_editor_snippets_work_against_that_server(readme_server):
         if model["provider"] == "openai":  # renders its template into `prompt`, POSTs {apiBase}/completions
             prompt = model["promptTemplates"]["autocomplete"].replace("{{{prefix}}}", PREFIX).replace(
                 "{{{suffix}}}", SUFFIX)
-            code, raw = post(model["apiBase"] + "/completions", {
-                "model": model["model"], "prompt": prompt, "max_tokens": 24, "temperature": 0.01, "stream": True,
-                "stop": ["<fim_prefix>", "<fim_suffix>", "<fim_middle>", "<|endoftext|>"]}, model["apiKey"])
-            assert code == 200 and events(raw)[-1] == "[DONE]", (model["name"], raw[:300])
+            for tokens in (model["defaultCompletionOptions"]["maxTokens"], 4096):
+                code, raw = post(model["apiBase"] + "/completions", {
+                    "model": model["model"], "prompt": prompt, "max_tokens": tokens, "temperature": 0.01,
+                    "stream": True, "stop": ["<fim_prefix>", "<fim_suffix>", "<fim_middle>", "<|endoftext|>"]},
+                    model["apiKey"])
+                assert code == 200 and events(raw)[-1] == "[DONE]", (model["name"], tokens, raw[:300])
         else:  # huggingface-tgi: GET /info, then POST /generate_stream
             assert model["provider"] == "huggingface-tgi"
             with urllib_open(model["apiBase"] + "/info") as info:
@@ -325,6 +328,18 @@ def test_the_editor_snippets_work_against_that_server(readme_server):
            + vscode["llm.fillInTheMiddle.middle"])
     code, raw = post(vscode["llm.url"], {"inputs": fim, **vscode["llm.requestBody"]})
     assert code == 200 and isinstance(json.loads(raw)["generated_text"], str), raw[:300]
+
+    recorded = json.loads((ROOT / "tests" / "fixtures" / "llama_vim_requests.json").read_text())["requests"]
+    [vim] = blocks("vim")
+    endpoint = re.search(r"'endpoint_fim': '([^']+)'", on(readme_server, vim)).group(1)
+    for sent in (recorded[0], recorded[2]):  # a prepare request, then a completion, with llama.vim's empty key
+        code, raw = post(endpoint, json.loads(sent["body"]), key=re.search(r"'api_key': '([^']*)'", vim).group(1))
+        assert code == 200 and raw.decode().startswith("{"), raw[:300]
+    [llama_vscode] = [json.loads(on(readme_server, b)) for b in blocks("json") if "llama-vscode.endpoint" in b]
+    sent = json.loads((ROOT / "tests" / "fixtures" / "llama_vscode_requests.json").read_text())["requests"][1]
+    code, raw = post(llama_vscode["llama-vscode.endpoint"] + "/infill", json.loads(sent["body"]),
+                     key=llama_vscode["llama-vscode.api_key"])
+    assert code == 200 and len(json.loads(raw)) == 3, raw[:300]
 
 
 def urllib_open(url: str):

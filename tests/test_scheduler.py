@@ -16,8 +16,9 @@ from autotp.serve.engine.stats import StepStats
 from autotp.serve.types import Row
 
 
-def request(i: int, prompt, max_tokens: int = 5, prompt_logprobs: bool = False) -> Request:
-    return Request(i, f"client{i}", 0, Row(tuple(prompt), max_tokens, 0.0, 1.0, 0, prompt_logprobs=prompt_logprobs))
+def request(i: int, prompt, max_tokens: int = 5, prompt_logprobs: bool = False, client: str = "") -> Request:
+    return Request(i, client or f"client{i}", 0, Row(tuple(prompt), max_tokens, 0.0, 1.0, 0,
+                                                     prompt_logprobs=prompt_logprobs))
 
 
 def ran(scheduler: Scheduler, step, drawn: dict[int, list[int]] | None = None, finish: tuple[int, ...] = ()) -> None:
@@ -186,7 +187,7 @@ def test_a_prompt_sent_several_times_at_once_is_computed_once():
     scheduler = Scheduler(BlockPool(32, 4), Limits(8, 64, 128))
     prompt = list(range(1, 15))  # 3 full blocks and 2 tokens
     for i in range(3):
-        scheduler.add(request(i, prompt))
+        scheduler.add(request(i, prompt, client="n3"))
     step = scheduler.schedule(StepStats())
     assert [(w.id, len(w.tokens)) for w in step.work] == [(0, 14)] and len(scheduler.waiting) == 2
     ran(scheduler, step)
@@ -194,10 +195,11 @@ def test_a_prompt_sent_several_times_at_once_is_computed_once():
     assert [(w.id, w.start, len(w.tokens)) for w in step.work] == [(0, 14, 1), (1, 12, 2), (2, 12, 2)]
 
 
-def test_a_request_waits_only_for_blocks_another_is_computing_and_not_for_a_different_prompt():
+def test_a_row_waits_only_for_its_siblings_blocks_and_never_for_another_requests():
     scheduler = Scheduler(BlockPool(32, 4), Limits(8, 64, 128))
-    scheduler.add(request(0, list(range(1, 15))))
+    scheduler.add(request(0, list(range(1, 15)), client="a"))
     scheduler.schedule(StepStats())
-    scheduler.add(request(1, [9, 9, 9, 9, 9, 9]))  # nothing in common: admitted beside it
-    scheduler.add(request(2, [1, 2, 3]))  # no full block it could take from the cache
-    assert [w.id for w in scheduler.schedule(StepStats()).work] == [1, 2]
+    scheduler.add(request(1, [9, 9, 9, 9, 9, 9], client="a"))  # nothing in common: admitted beside it
+    scheduler.add(request(2, [1, 2, 3], client="a"))  # no full block it could take from the cache
+    scheduler.add(request(3, list(range(1, 15)), client="b"))  # the same prompt from another client: no wait
+    assert [w.id for w in scheduler.schedule(StepStats()).work] == [1, 2, 3]

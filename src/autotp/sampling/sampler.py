@@ -50,7 +50,7 @@ class RowSampler:
             # nucleus: ascending, drop the tokens whose cumulative probability is <= 1 - top_p, keep the likeliest
             ordered, order = torch.sort(logits, descending=False)
             drop = ordered.softmax(dim=-1).cumsum(dim=-1) <= (1 - p.top_p)
-            drop[-1] = False
+            drop[-1:].zero_()  # the likeliest stays: a device op (a Python False written in would cross from the host)
             logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
         return logits
 

@@ -7,10 +7,10 @@ are admitted first come, first served while a request slot, a token of the step'
 life in blocks are left. A new request starts from the longest cached run of its prompt's full blocks
 (blocks.BlockPool), then from the known block after them that shares the most of its next tokens (copied into a
 block of its own: Work.copy), and computes only the rest; it always computes at least its last prompt token, whose
-scores give its first generated one. A request whose prompt begins with full blocks another running request is
-computing right now waits until they are cached, so that a prompt sent several times at once (n completions of it)
-is computed once. A decoding request may add a prompt-lookup draft (lookup.py) after its last
-token, every position scored, within the budget.
+scores give its first generated one. A row whose prompt begins with full blocks a sibling (another row of the same
+client request) is computing right now waits until they are cached, so that the n completions of one prompt
+compute it once; rows of other requests never wait for one another. A decoding request may add a prompt-lookup
+draft (lookup.py) after its last token, every position scored, within the budget.
 
 More than one step may be in flight (a pipeline of P stages keeps P of them moving): a request whose step has not
 come back is not scheduled again, so each request is in at most one step, and `update` takes each step back by its
@@ -104,10 +104,11 @@ class Scheduler:
 
     def _admit(self, r: Request, stats: StepStats) -> tuple[int, int] | None:
         """The head of the queue takes its cached prefix and reserves its life's blocks, if they fit (None where
-        not, or where another request is computing blocks it would take from the cache). Returns (block, m): the
+        not, or where a sibling is computing blocks it would take from the cache). Returns (block, m): the
         known block whose first m keys and values its next block copies."""
         size, prompt = self.pool.block_size, r.prompt
-        if self.pool.caching and not r.no_cache and any(self._computing(o, prompt) for o in self.running.values()):
+        if self.pool.caching and not r.no_cache and any(self._computing(o, prompt) for o in self.running.values()
+                                                        if o.client == r.client):
             return None
         hits = [] if r.no_cache else self.pool.match(prompt, (len(prompt) - 1) // size)
         source, m = (-1, 0) if r.no_cache else self.pool.extend(prompt, hits, len(prompt) - 1)
