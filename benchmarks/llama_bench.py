@@ -55,6 +55,23 @@ DECODE_TOKENS = 128
 PREFILL_TOKENS = 400
 
 
+# llama.cpp's converter, run as itself; a tokenizer whose pre-tokenizer it does not recognize by its hash (the demo
+# model's: individual digits, then GPT-2's byte-level regex) is StarCoder's, which llama.cpp splits the same way
+CONVERT = """
+import runpy, sys
+from conversion import base
+recognize = base.TextModel.get_vocab_base_pre
+def pre(self, tokenizer):
+    try:
+        return recognize(self, tokenizer)
+    except NotImplementedError:
+        return "starcoder"
+base.TextModel.get_vocab_base_pre = pre
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
 def gguf(model: Path, src: Path) -> Path:
     """The float32 GGUF of `model`, made once by llama.cpp's converter: its gguf-py, and sentencepiece (which it
     imports before falling back to the BPE tokenizer SmolLM2 has) in a folder of the cache, on its path."""
@@ -64,16 +81,18 @@ def gguf(model: Path, src: Path) -> Path:
         if not packages.is_dir():
             subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--target", str(packages), "sentencepiece"],
                            check=True)
-        env = dict(os.environ, PYTHONPATH=f"{src / 'gguf-py'}{os.pathsep}{packages}")
-        subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(model), "--outtype", "f32",
-                        "--outfile", str(out)], check=True, env=env, capture_output=True)
+        env = dict(os.environ, PYTHONPATH=f"{src}{os.pathsep}{src / 'gguf-py'}{os.pathsep}{packages}")
+        subprocess.run([sys.executable, "-c", CONVERT, str(src / "convert_hf_to_gguf.py"), str(model), "--outtype",
+                        "f32", "--outfile", str(out)], check=True, env=env, capture_output=True)
     return out
 
 
-def start_llama(binary: Path, weights: Path, log: Path) -> tuple[subprocess.Popen, str]:
+def start_llama(binary: Path, weights: Path, log: Path, ctx: int = 8192,
+                alias: str = "smollm2") -> tuple[subprocess.Popen, str]:
+    """llama-server with 4 slots sharing `ctx` tokens of context, every core."""
     port = free_port()
-    cmd = [str(binary), "-m", str(weights), "-t", str(cpus()), "-np", "4", "-c", "8192", "--host", "127.0.0.1",
-           "--port", str(port), "--alias", "smollm2"]
+    cmd = [str(binary), "-m", str(weights), "-t", str(cpus()), "-np", "4", "-c", str(ctx), "--host", "127.0.0.1",
+           "--port", str(port), "--alias", alias]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
