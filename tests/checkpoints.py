@@ -23,8 +23,8 @@ LOGIT_ATOL = 5e-5
 
 
 def build(name: str, **overrides) -> GPTBigCodeForCausalLM:
-    config = GPTBigCodeConfig(n_layer=2, n_positions=64, vocab_size=101, bos_token_id=None, eos_token_id=None,
-                              **{**CONFIGS[name], **overrides})
+    config = GPTBigCodeConfig(**{"n_layer": 2, "n_positions": 64, "vocab_size": 101, "bos_token_id": None,
+                                 "eos_token_id": None, **CONFIGS[name], **overrides})
     torch.manual_seed(0)
     return widen(GPTBigCodeForCausalLM(config).eval())
 

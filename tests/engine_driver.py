@@ -264,3 +264,65 @@ def step_collectives(model_dir: str, tokenizer_dir: str) -> dict | None:
     engine.executor.stop()
     channel.close()
     return {"forward": forward, "steps": steps}
+
+
+def run_on_pipeline(model_dir: str, tokenizer_dir: str, make_arrivals, pp: int, limits: Limits = ROOMY,
+                    speculate: int = 0, pp_layers: tuple[int, ...] | None = None, block_size: int = 4,
+                    dtype: str | None = None) -> list | None:
+    """A pool task, as `autotp serve --pp PP` runs it: every rank loads its stage of model_dir (tp = world / pp), rank
+    0 drives make_arrivals() through the pipeline and returns each job's end event (with its streamed text); the
+    others follow their stage and return None."""
+    import torch.distributed as dist
+    from transformers import AutoTokenizer
+
+    import autotp
+    from autotp.serve.pipeline.executor import Pipeline, follow_stage
+    from autotp.serve.pipeline.links import Links
+
+    model = autotp.from_pretrained(model_dir, check_inputs=False, pp_size=pp, pp_layers=pp_layers, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    stages, rank = model.autotp.stages, dist.get_rank()
+    channel = Channel()
+    runner, scheduler = parts(model, probe(model), limits, block_size, rank0=rank == 0, speculate=speculate,
+                              samples=rank == stages.sampler, lanes=pp)
+    stage0 = Channel(stages.ranks(0))
+    links = Links(rank, stages.next_rank(rank), stages.prev_rank(rank), stages.sampler)
+    if rank != 0:
+        with torch.inference_mode():
+            assert follow_stage(runner, stage0, links, stages, rank, channel.tag(), StopFlag()) == 0
+        return None
+    engine = server.engine(model, tokenizer, runner, scheduler, channel,
+                           pipeline=Pipeline(runner, stage0, links, stages, channel.tag()))
+    arrivals = make_arrivals()
+    with torch.inference_mode():
+        drive(engine, arrivals)
+    engine.executor.stop()
+    return [(j.ended, j.streamed) for js in arrivals.values() for j in js]
+
+
+def pipeline_rows(model_dir: str, tokenizer_dir: str, prompts: list[list[int]], spec: list[tuple], limits: Limits,
+                  pp: int, speculate: int = 0, pp_layers: tuple[int, ...] | None = None) -> list | None:
+    """A pool task: spec's rows (see test_continuous) through a pipeline of pp stages; rank 0's end events."""
+
+    def arrivals() -> dict[int, list[Job]]:
+        out: dict[int, list[Job]] = {}
+        for i, (ids, (_, n, t, p, k, seed, at)) in enumerate(zip(prompts, spec, strict=True)):
+            out.setdefault(at, []).append(job(ids, n, t, seed, top_p=p, top_k=k, index=i))
+        return out
+
+    ended = run_on_pipeline(model_dir, tokenizer_dir, arrivals, pp, limits, speculate, pp_layers)
+    return None if ended is None else [e for e, _ in ended]
+
+
+def drafted_and_cached(model_dir, tokenizer_dir, pp, pp_layers):
+    """A pool task: a prompt that repeats itself (prompt lookup drafts), the same prompt again (its blocks from the
+    cache) and one sharing half of it, with the prompt's and the tokens' log-probabilities."""
+    words = [5, 6, 7, 8, 9, 10, 11, 12] * 3
+
+    def arrivals():
+        return {0: [job(words, 12, index=0, logprobs=2)], 14: [job(words, 12, index=1, logprobs=2),
+                                                               job(words[:12] + [40, 41], 8, index=2)]}
+
+    limits = Limits(max_num_seqs=4, max_num_batched_tokens=32, kv_tokens=10_000)
+    ended = run_on_pipeline(model_dir, tokenizer_dir, arrivals, pp, limits, 4, pp_layers)
+    return None if ended is None else [e.result for e, _ in ended]

@@ -74,23 +74,24 @@ PROMPT = [[3, 17, 42, 8, 99, 51, 23]]
 NEW_TOKENS = 16
 
 
-def config(name: str):
+def config(name: str, **extra):
     model_type, overrides = FAMILIES[name]
     positions = {} if model_type in NO_MAX_POSITION_EMBEDDINGS else POSITIONS
-    return AutoConfig.for_model(model_type, **(COMMON | positions | overrides))
+    return AutoConfig.for_model(model_type, **(COMMON | positions | overrides | extra))
 
 
-def build(name: str):
+def build(name: str, **extra):
+    """extra: config fields beyond the family's (num_hidden_layers for a deeper model, say)."""
     torch.manual_seed(0)
-    return widen(AutoModelForCausalLM.from_config(config(name), dtype=torch.float32).eval())
+    return widen(AutoModelForCausalLM.from_config(config(name, **extra), dtype=torch.float32).eval())
 
 
-def any_model(name: str):
+def any_model(name: str, layers: int | None = None):
     """A test model by name: StarCoder's family as gpt_bigcode_<a checkpoints.CONFIGS name>, else a family of
-    FAMILIES."""
+    FAMILIES; layers: its decoder layers (default 2, or the family's own)."""
     if name.startswith("gpt_bigcode_"):
-        return checkpoints.build(name.removeprefix("gpt_bigcode_"))
-    return build(name)
+        return checkpoints.build(name.removeprefix("gpt_bigcode_"), **({} if layers is None else {"n_layer": layers}))
+    return build(name, **({} if layers is None else {"num_hidden_layers": layers}))
 
 
 # StarCoder's family (multi-query, 12 and 10 heads; multi-head) and every other family with a plan

@@ -203,3 +203,25 @@ def test_a_row_waits_only_for_its_siblings_blocks_and_never_for_another_requests
     scheduler.add(request(2, [1, 2, 3], client="a"))  # no full block it could take from the cache
     scheduler.add(request(3, list(range(1, 15)), client="b"))  # the same prompt from another client: no wait
     assert [w.id for w in scheduler.schedule(StepStats()).work] == [1, 2, 3]
+
+
+def test_a_pipeline_keeps_its_lanes_apart_and_even():
+    """Two lanes (a pipeline of 2 stages): each step computes one lane's requests, so two steps are in flight at
+    once with no request in both; admissions fill the lanes evenly; a lane's requests wait for their step."""
+    scheduler = Scheduler(BlockPool(64, 4), Limits(8, 64, 256), lanes=2)
+    for i in range(5):
+        scheduler.add(request(i, [1, 2, 3], max_tokens=4))
+    first = scheduler.schedule(StepStats(), lane=0)
+    second = scheduler.schedule(StepStats(), lane=1)
+    lanes = [{w.id for w in first.work}, {w.id for w in second.work}]
+    assert not lanes[0] & lanes[1] and lanes[0] | lanes[1] == set(range(5))
+    assert sorted(map(len, lanes)) == [2, 3]  # 5 requests: 3 and 2
+    assert scheduler.schedule(StepStats(), lane=0).work == ()  # lane 0's step has not come back
+    ran(scheduler, first)
+    assert {w.id for w in scheduler.schedule(StepStats(), lane=0).work} == lanes[0]
+    scheduler.add(request(5, [4, 5, 6], max_tokens=4))
+    third = scheduler.schedule(StepStats(), lane=1)  # the shorter lane takes the newcomer, its others still out
+    assert [w.id for w in third.work] == [5]
+    ran(scheduler, second)
+    ran(scheduler, third)
+    assert {w.id for w in scheduler.schedule(StepStats(), lane=1).work} == lanes[1] | {5}

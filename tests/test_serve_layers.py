@@ -16,10 +16,13 @@ MAY_IMPORT = {
     "engine": {"types", "lockstep.step"},
     "runner": {"types", "lockstep.step"},
     "lockstep": {"types", "lockstep.step"},  # wire, watchdog, executor: the runner is handed in, never imported
+    "pipeline": {"types", "lockstep.step", "lockstep"},  # links, liveness, executor: the runner is handed in too
     "startup": {"types", "options", "lockstep", "runner"},
     "api": {"types", "engine"},
     "preflight": {"options", "runner"},  # the backends' refusals, before the server's imports
-    "server": {"types", "options", "lockstep.step", "lockstep", "engine", "runner", "startup", "api", "preflight"},
+    "server": {"types", "options", "lockstep.step", "lockstep", "pipeline", "engine", "runner", "startup", "api",
+               "preflight"},
+    "offline": {"types", "lockstep", "pipeline", "engine", "runner", "server"},  # generate --pp: the server's parts
 }
 NO_TORCH = ("types", "options", "lockstep.step", "engine", "api")
 

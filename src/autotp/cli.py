@@ -99,7 +99,8 @@ def cmd_plan(args) -> int:
     from autotp.report import format_report, plan_report
 
     device = args.device or ("cuda" if _cuda_available() else "cpu")
-    report = plan_report(args.model or default_model(), args.tp, args.dtype, args.quantize, args.group_size, device)
+    report = plan_report(args.model or default_model(), args.tp, args.dtype, args.quantize, args.group_size, device,
+                         args.pp, args.pp_layers)
     print(json.dumps(report) if args.json else format_report(report))
     return 0
 
@@ -142,6 +143,9 @@ def cmd_generate(args) -> int:
     if (args.prompt is None) == (args.input_ids is None):
         raise AutotpError("give exactly one of --prompt and --input-ids")
     sampling = _sampling(args)
+    if args.pp > 1 and (args.num_beams > 1 or args.compile):
+        raise AutotpError(f"{'--num-beams' if args.num_beams > 1 else '--compile'} needs the whole model in each "
+                          f"process (HF's generate); with --pp {args.pp} the stages run through autotp's engine")
     distributed.init(args.device)  # first: a hub id is downloaded once per node, the other ranks wait
     model_dir = resolve_model_dir(args.model or default_model(), flag="--model")
     config = load_config(model_dir)  # before AutoTokenizer, which reads config.json too and fails on a bad one
@@ -163,16 +167,31 @@ def cmd_generate(args) -> int:
     check_length(limit, source, ids.shape[-1], args.max_new_tokens)
     check_ids(config, ids)
 
-    model = autotp.from_pretrained(model_dir, dtype=args.dtype, device=args.device, quantize=args.quantize,
-                                   group_size=args.group_size)
-    if text is not None and args.prompt is not None and not args.json and args.suffix is None:
-        distributed.print0(args.prompt, end="")
+    echo = text is not None and args.prompt is not None and not args.json and args.suffix is None
     do_sample = args.do_sample and sampling.temperature > 0  # below sampling.GREEDY_BELOW: greedy, as served
-    out = generate(model, ids, max_new_tokens=args.max_new_tokens, do_sample=do_sample,
-                   temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                   num_beams=args.num_beams, seed=args.seed, tokenizer=tokenizer,
-                   stream=not args.json and tokenizer is not None, max_model_len=args.max_model_len,
-                   compile=args.compile)
+    if args.pp > 1:  # the stages run through the serving engine (serve/offline.py)
+        from autotp.serve import offline
+
+        if echo:
+            distributed.print0(args.prompt, end="")
+        streams = not args.json and tokenizer is not None
+        new = offline.generate(model_dir, ids[0].tolist(), tokenizer, args.max_new_tokens,
+                               sampling.temperature if do_sample else 0.0, sampling.top_p, sampling.top_k, args.seed,
+                               args.pp, args.pp_layers, args.dtype, args.device, args.quantize, args.group_size,
+                               (lambda piece: print(piece, end="", flush=True)) if streams else None)
+        out = None if new is None else torch.cat([ids, torch.tensor([new])], dim=1)
+    else:
+        model = autotp.from_pretrained(model_dir, dtype=args.dtype, device=args.device, quantize=args.quantize,
+                                       group_size=args.group_size)
+        if echo:
+            distributed.print0(args.prompt, end="")
+        out = generate(model, ids, max_new_tokens=args.max_new_tokens, do_sample=do_sample,
+                       temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                       num_beams=args.num_beams, seed=args.seed, tokenizer=tokenizer,
+                       stream=not args.json and tokenizer is not None, max_model_len=args.max_model_len,
+                       compile=args.compile)
+    if out is None:  # a rank of a later stage: rank 0 prints
+        return 0
     new = out[0, ids.shape[-1]:]
     if args.json:
         from autotp.serve.engine.text import added_text  # with the prompt as left context, as the server decodes it
@@ -261,7 +280,7 @@ def serve_options(args, starts_ranks: bool = False):
                         max_body_bytes=args.max_body_bytes, read_timeout=args.read_timeout,
                         allowed_hosts=args.allowed_hosts, api_key=key, block_size=args.block_size,
                         prefix_caching=args.prefix_caching, speculate=args.speculate, compile=args.compile,
-                        attention=args.attention)
+                        attention=args.attention, pp=args.pp, pp_layers=args.pp_layers)
     opts.check()
     preflight.check(opts, args.model or default_model(), starts_ranks)
     return opts
@@ -293,6 +312,32 @@ def add_quantize_flags(parser: argparse.ArgumentParser) -> None:
 
 def add_tp_flag(parser: argparse.ArgumentParser, text: str, required: bool = False) -> None:
     parser.add_argument("--tp", "--tensor-parallel-size", type=positive_int, required=required, metavar="N", help=text)
+
+
+def layer_counts(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer counts, e.g. 18,22, got {text!r}") from None
+    if min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"every stage needs a layer at least, got {text!r}")
+    return counts
+
+
+def add_pp_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--pp", "--pipeline-parallel-size", type=positive_int, default=1, metavar="N",
+                        help="pipeline stages, each of --tp ranks holding a run of the decoder layers (default 1). "
+                             "Ranks are numbered host by host, stage s being ranks s*tp onwards: across hosts, "
+                             "`torchrun --nnodes N --nproc-per-node TP` puts a stage on each, so that only one hidden "
+                             "state per token crosses the network")
+    parser.add_argument("--pp-layers", type=layer_counts, metavar="A,B,...",
+                        help="decoder layers per stage, e.g. 18,22 for GPUs of different sizes (default: as even as "
+                             "can be, the first stages taking one more)")
+
+
+def ranks_asked(args) -> int:
+    """The ranks a command runs on: --tp x --pp (1 where neither is given)."""
+    return (args.tp or 1) * getattr(args, "pp", 1)
 
 
 class Version(argparse.Action):
@@ -330,7 +375,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="show how each tensor is partitioned across ranks (reads no weights)",
                           **commands)
     plan.add_argument("--model", help="model directory or hub id (default: the embedded demo model)")
-    add_tp_flag(plan, "number of tensor-parallel ranks", required=True)
+    add_tp_flag(plan, "number of tensor-parallel ranks (of each pipeline stage)", required=True)
+    add_pp_flags(plan)
     plan.add_argument("--dtype", choices=DTYPE_CHOICES, help="dtype for byte counts (default: checkpoint/config)")
     add_quantize_flags(plan)
     plan.add_argument("--device", choices=["cpu", "cuda"],
@@ -343,6 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text with a sharded model (--tp N ranks)", **commands)
     gen.add_argument("--model", help="model directory or hub id (default: the embedded demo model)")
     add_tp_flag(gen, tp_text)
+    add_pp_flags(gen)
     gen.add_argument("--prompt", help="prompt text")
     gen.add_argument("--input-ids", type=id_list, help="prompt as comma-separated token ids (no tokenizer needed)")
     gen.add_argument("--suffix", help="fill in the middle: text after the gap; --prompt is the text before it")
@@ -374,6 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--model", help=f"model directory or hub id, also the name clients use (default: the embedded "
                                      f"demo model, named {DEMO_ID})")
     add_tp_flag(srv, tp_text)
+    add_pp_flags(srv)
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     srv.add_argument("--port", type=port_number, default=8000, help="port to listen on; 0 picks a free one "
                                                                     "(default 8000)")
@@ -439,17 +487,23 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     world = launcher_world()
-    if args.command != "plan" and args.tp is not None and world is not None and world != str(args.tp):
-        return command_line_error(f"--tp {args.tp} disagrees with the {world} ranks its launcher started "
-                                  f"(WORLD_SIZE={world}): under torchrun give --tp {world} or leave --tp out")
-    starts_ranks = args.command != "plan" and world is None and args.tp is not None and args.tp > 1
+    pp = getattr(args, "pp", 1)
+    if args.command != "plan" and world is not None and args.tp is not None and world != str(ranks_asked(args)):
+        asked = f"--tp {args.tp}" + (f" x --pp {pp} = {args.tp * pp}" if pp > 1 else "")
+        fits = f"--tp {int(world) // pp}" if int(world) % pp == 0 else "--tp"
+        return command_line_error(f"{asked} disagrees with the {world} ranks its launcher started "
+                                  f"(WORLD_SIZE={world}): under torchrun give {fits} or leave --tp out")
+    if args.command != "plan" and world is not None and args.tp is None and int(world) % pp:
+        return command_line_error(f"--pp {pp} does not divide the {world} ranks its launcher started "
+                                  f"(WORLD_SIZE={world}) into stages of equal size")
+    starts_ranks = args.command != "plan" and world is None and ranks_asked(args) > 1
     if args.command == "serve":  # before torch is imported and before any rank starts: a refusal costs neither
         try:
             args.opts = serve_options(args, starts_ranks)
         except (AutotpError, OSError) as e:  # OSError: an unreadable model file or directory
             return command_line_error(str(e) if isinstance(e, AutotpError) else f"{type(e).__name__}: {e}")
     if starts_ranks:
-        return launch(args.tp, argv)  # each rank runs this argv again, under WORLD_SIZE = --tp
+        return launch(ranks_asked(args), argv)  # each rank runs this argv again, under WORLD_SIZE = --tp x --pp
     from autotp import distributed  # torch: paid only once the flags are good (--help and flag errors are instant)
 
     try:

@@ -159,6 +159,54 @@ def _rendezvous(rank: int, world: int, timeout: timedelta) -> dist.Store | None:
     return store
 
 
+def _address_of(interface: str) -> str | None:
+    """The IPv4 address of a network interface (SIOCGIFADDR), or None."""
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", interface[:15].encode()))
+        except OSError:
+            return None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def route_to(addr: str) -> tuple[str, str] | None:
+    """(interface, its address) that this host reaches `addr` through, by the kernel's routing table (a UDP socket's
+    connect sends nothing); None where that is the loopback (one host) or cannot be told."""
+    import ipaddress
+
+    try:
+        target = socket.getaddrinfo(addr, None, socket.AF_INET, socket.SOCK_DGRAM)[0][4][0]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((target, 9))
+            local = s.getsockname()[0]
+    except OSError:
+        return None
+    if ipaddress.ip_address(local).is_loopback:
+        return None
+    return next(((name, local) for _, name in socket.if_nameindex() if _address_of(name) == local), None)
+
+
+def choose_interface(local_rank: int | None) -> None:
+    """Across hosts, gloo binds the address its host's name resolves to, which on many machines is 127.0.1.1 or
+    127.0.0.1 (/etc/hosts), and then no other host can connect ("connectFullMesh ... Connection refused"). Where the
+    user set no GLOO_SOCKET_IFNAME, it is set to the interface that reaches MASTER_ADDR, and the first rank of each
+    host says which (NCCL_SOCKET_IFNAME likewise, for NCCL's own connections)."""
+    if os.environ.get("GLOO_SOCKET_IFNAME") or "MASTER_ADDR" not in os.environ:
+        return
+    found = route_to(os.environ["MASTER_ADDR"])
+    if found is None:
+        return
+    name, local = found
+    os.environ["GLOO_SOCKET_IFNAME"] = name
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", name)
+    if not local_rank:
+        print(f"autotp: {socket.gethostname()} reaches MASTER_ADDR {os.environ['MASTER_ADDR']} through {name} "
+              f"({local}): the ranks use it (GLOO_SOCKET_IFNAME chooses another)", file=sys.stderr, flush=True)
+
+
 def init(device: str | torch.device | None = None, timeout_s: float | None = None) -> Dist:
     """Join (or reuse) the default process group described by the environment; the rank's GPU, if it has
     one, becomes the current CUDA device (object collectives and NCCL barriers use the current one)."""
@@ -183,6 +231,7 @@ def init(device: str | torch.device | None = None, timeout_s: float | None = Non
             if name not in os.environ:
                 raise AutotpError(f"WORLD_SIZE={world} but {name} is not set: launch with torchrun or deepspeed")
         timeout = timedelta(seconds=timeout_s or float(os.environ.get("AUTOTP_TIMEOUT", 600)))
+        choose_interface(local_rank)
         store = _rendezvous(rank, world, timeout)
         _PROCESS.hosts_store = store is not None and rank == 0
         kwargs = {} if store is None else dict(store=store, rank=rank, world_size=world)
@@ -194,6 +243,21 @@ def init(device: str | torch.device | None = None, timeout_s: float | None = Non
     if dev.type == "cuda":
         _check_one_gpu_per_rank(dev, dist.group.WORLD)
     return Dist(rank, world, 0 if local_rank is None else local_rank, dev, dist.group.WORLD)
+
+
+def stage_dist(env: Dist, tp: int, pp: int) -> Dist:
+    """This rank's pipeline stage as a Dist of its own: its rank within the stage, the stage's `tp` ranks and their
+    process group (the stage's tensor-parallel group, the world's backend: NCCL on GPUs, gloo on CPUs). Stage s is
+    ranks [s * tp, (s + 1) * tp) (parallel/stages.py). Every rank makes every stage's group, in stage order
+    (new_group is collective over the world); with tp 1 there are none."""
+    if pp == 1:
+        return env
+    mine = None
+    for s in range(pp if tp > 1 else 0):
+        group = dist.new_group(list(range(s * tp, (s + 1) * tp)))
+        if s == env.rank // tp:
+            mine = group
+    return Dist(env.rank % tp, tp, env.local_rank, env.device, mine)
 
 
 def _destroy_at_exit(group: dist.ProcessGroup) -> None:

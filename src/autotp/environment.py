@@ -12,6 +12,8 @@ VARIABLES = {  # each text fits one 80-column line under its name; defaults in p
     "AUTOTP_HUB_TIMEOUT": "seconds a hub fetch may go without a new byte (30)",
     "AUTOTP_DOWNLOAD_STALL_TIMEOUT": "seconds ranks wait on their node's download without progress (300)",
     "AUTOTP_SHM": "0: CPU ranks on one host all-reduce through gloo, not shared memory",
+    "AUTOTP_LIVENESS_S": "seconds a pipeline waits for a silent host before it stops (6)",
+    "GLOO_SOCKET_IFNAME": "the network interface gloo uses (unset: the one that reaches MASTER_ADDR)",
     "AUTOTP_GEMV": "0: serve's few-row products on CPU use torch's F.linear, not gemv.c",
     "AUTOTP_INFERRED_PLANS": "0: refuse a family without a built-in plan instead of inferring one",
     "AUTOTP_LAUNCHER_NAMES_EXITS": "set by --tp N in its ranks (it names a rank that exits); not for users",

@@ -13,39 +13,60 @@ from __future__ import annotations
 import re
 
 from autotp.hub import resolve_model_dir
+from autotp.parallel.stage_cut import cut, decoder_layers
+from autotp.parallel.stages import Stages
 from autotp.prepare import prepare
 from autotp.quant.weights import INT4_GROUP
 
 
 def plan_report(model: str, tp: int, dtype: str | None = None, quantize: str | None = None,
-                group_size: int = INT4_GROUP, device_type: str = "cpu") -> dict:
+                group_size: int = INT4_GROUP, device_type: str = "cpu", pp: int = 1,
+                pp_layers: tuple[int, ...] | None = None) -> dict:
     """Every rank's tensors as `autotp plan` prints them; device_type: whose quantized kernels must take
-    each slice (an int4 slice CUDA's kernel cannot run is refused as it would be when loading there)."""
+    each slice (an int4 slice CUDA's kernel cannot run is refused as it would be when loading there). pp: pipeline
+    stages of tp ranks each (rank = stage * tp + its rank in the stage), layers split as pp_layers says or evenly:
+    each rank's layers and the bytes one cached token costs it (its layers' keys and values, its KV heads)."""
     model_dir = resolve_model_dir(model, patterns=["config.json"])
-    p = prepare(tp, device_type, model_dir=model_dir, dtype=dtype, quantize=quantize, group_size=group_size,
-                checkpoint=False, buffers=False)
-    layout, plan = p.layout, p.plan
+
+    def prepared():
+        return prepare(tp, device_type, model_dir=model_dir, dtype=dtype, quantize=quantize, group_size=group_size,
+                       checkpoint=False, buffers=False)
+
+    p = prepared()
+    plan = p.plan
+    num_layers = len(decoder_layers(p.model, plan))
+    stages = Stages.split(pp, tp, num_layers, pp_layers) if pp > 1 else None
     ranks = []
-    for rank, h in enumerate(layout.heads):
-        tensors = []
-        for t in layout.params.values():
-            tensor = {"name": t.name, "tied": list(t.aliases), "shape": list(t.shape),
-                      "holds": t.shards[rank].describe(len(t.shape)), "local_shape": list(t.local_shape(rank)),
-                      "bytes": t.nbytes(rank),
-                      "stored": t.quant.quant.kind if t.quant else str(t.dtype).removeprefix("torch.")}
-            if t.gptq:  # what the rank reads instead of the weight
-                tensor["gptq"] = [{"name": r.key, "shape": list(r.shape), "holds": r.shard.describe(len(r.shape)),
-                                   "local_shape": list(r.shard.local_shape(r.shape)), "bytes": r.nbytes(),
-                                   "stored": _dtype_name(r.dtype)} for r in t.gptq[rank].reads]
-            tensors.append(tensor)
-        gptq_bytes = sum(r["bytes"] for t in tensors for r in t.get("gptq", ()))
-        ranks.append({"rank": rank, "q_heads": [h.q_start, h.q_stop], "kv_heads": [h.kv_start, h.kv_stop],
-                      "total_bytes": layout.rank_bytes(rank), "gptq_read_bytes": gptq_bytes, "tensors": tensors})
+    for stage in range(pp):
+        layout = p.layout if stages is None else cut((q := prepared()).model, q.layout, stages, stage)
+        span = range(num_layers) if stages is None else stages.span(stage)
+        for tp_rank, h in enumerate(layout.heads):
+            ranks.append(_rank_entry(layout, tp_rank, h, stage * tp + tp_rank) | {
+                "stage": stage, "layers": [span.start, span.stop],
+                "kv_bytes_per_token": 2 * len(span) * (h.kv_stop - h.kv_start) * plan.head_dim * p.dtype.itemsize})
     gptq = None if p.gptq is None else {"group_size": p.gptq.group_size, "version": p.gptq.version, "sym": p.gptq.sym}
-    return {"model": str(model), "family": plan.family, "plan_source": plan.source, "tp": tp,
+    return {"model": str(model), "family": plan.family, "plan_source": plan.source, "tp": tp, "pp": pp,
             "dtype": _dtype_name(p.dtype), "checkpoint_headers": p.checkpoint is not None,
             "quantize": quantize, "group_size": group_size if quantize == "int4" else None, "gptq": gptq,
             "device": device_type, "num_heads": plan.num_heads, "num_kv_heads": plan.num_kv_heads, "ranks": ranks}
+
+
+def _rank_entry(layout, tp_rank: int, h, rank: int) -> dict:
+    """One rank's tensors (its slice of each, as its rank in the stage holds it) and their bytes."""
+    tensors = []
+    for t in layout.params.values():
+        tensor = {"name": t.name, "tied": list(t.aliases), "shape": list(t.shape),
+                  "holds": t.shards[tp_rank].describe(len(t.shape)), "local_shape": list(t.local_shape(tp_rank)),
+                  "bytes": t.nbytes(tp_rank),
+                  "stored": t.quant.quant.kind if t.quant else str(t.dtype).removeprefix("torch.")}
+        if t.gptq:  # what the rank reads instead of the weight
+            tensor["gptq"] = [{"name": r.key, "shape": list(r.shape), "holds": r.shard.describe(len(r.shape)),
+                               "local_shape": list(r.shard.local_shape(r.shape)), "bytes": r.nbytes(),
+                               "stored": _dtype_name(r.dtype)} for r in t.gptq[tp_rank].reads]
+        tensors.append(tensor)
+    gptq_bytes = sum(r["bytes"] for t in tensors for r in t.get("gptq", ()))
+    return {"rank": rank, "q_heads": [h.q_start, h.q_stop], "kv_heads": [h.kv_start, h.kv_stop],
+            "total_bytes": layout.rank_bytes(tp_rank), "gptq_read_bytes": gptq_bytes, "tensors": tensors}
 
 
 def _dtype_name(dtype) -> str:
@@ -62,8 +83,10 @@ def _human(n: int) -> str:
 
 def format_report(report: dict) -> str:
     """Text table per rank; identical tensors of different layers fold into one `h.*` row with a count."""
+    pp = report.get("pp", 1)
     lines = [f"{report['model']}: {report['family']} ({report['plan_source']} plan), tp={report['tp']}, "
-             f"dtype={report['dtype']}, {report['num_heads']} query heads / {report['num_kv_heads']} KV heads"
+             + (f"pp={pp}, " if pp > 1 else "")
+             + f"dtype={report['dtype']}, {report['num_heads']} query heads / {report['num_kv_heads']} KV heads"
              + (f", linear weights {report['quantize']}" if report["quantize"] else "")
              + (f" (groups of {report['group_size']})" if report["group_size"] else "")
              + (f", GPTQ 4-bit checkpoint (groups of {report['gptq']['group_size']}, v{report['gptq']['version']}) "
@@ -71,8 +94,10 @@ def format_report(report: dict) -> str:
              + ("" if report["checkpoint_headers"] else " [config only: no checkpoint headers read]")]
     for r in report["ranks"]:
         reads = f", reads {_human(r['gptq_read_bytes'])} of GPTQ tensors" if r.get("gptq_read_bytes") else ""
-        lines.append(f"\nrank {r['rank']}: query heads {r['q_heads'][0]}:{r['q_heads'][1]}, "
-                     f"KV heads {r['kv_heads'][0]}:{r['kv_heads'][1]}, {_human(r['total_bytes'])}{reads}")
+        stage = f" (stage {r['stage']}, layers {r['layers'][0]}-{r['layers'][1] - 1})" if pp > 1 else ""
+        lines.append(f"\nrank {r['rank']}{stage}: query heads {r['q_heads'][0]}:{r['q_heads'][1]}, "
+                     f"KV heads {r['kv_heads'][0]}:{r['kv_heads'][1]}, {_human(r['total_bytes'])}{reads}, KV cache "
+                     f"{_human(r['kv_bytes_per_token'])} per token")
         folded: dict[tuple, list] = {}
         for t in r["tensors"]:
             sources = tuple((_fold(g["name"]), tuple(g["shape"]), g["holds"], tuple(g["local_shape"]), g["stored"])

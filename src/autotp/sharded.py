@@ -26,6 +26,9 @@ from autotp.parallel.input_guard import InputGuard
 from autotp.parallel.layout import ExpertKeys, Param
 from autotp.parallel.shard import parallelize
 from autotp.parallel.slices import TensorShard
+from autotp.parallel.stage_cut import cut, decoder_layers
+from autotp.parallel.stage_io import StageIO
+from autotp.parallel.stages import Stages
 from autotp.plans import Plan
 from autotp.prepare import prepare
 from autotp.quant import gptq
@@ -42,20 +45,31 @@ class ShardInfo:
     rank: int
     param_bytes: int  # bytes of the parameters this rank holds (the layout's count: tests check it against the model)
     bytes_read: int = 0  # checkpoint bytes this rank read (0 for init_inference)
+    pp: int = 1  # pipeline stages
+    stage: int = 0  # this rank's (rank is its rank within the stage)
+    layers: range | None = None  # the decoder layers this rank's stage holds (None: every one)
+    stages: Stages | None = None  # the whole pipeline (None without one)
 
 
-def _check_tp(tp: int | None, world: int) -> int:
+def _check_tp(tp: int | None, world: int, pp: int = 1) -> int:
+    if pp < 1:
+        raise AutotpError(f"pp_size must be at least 1, got {pp}")
     if tp is None:
-        return world
-    if tp != world:
-        raise AutotpError(f"tp_size {tp} does not match the {world} launched processes (WORLD_SIZE): "
-                          f"launch {tp} processes, e.g. torchrun --nproc-per-node {tp}")
+        if world % pp:
+            raise AutotpError(f"pp_size {pp} does not divide the {world} launched processes (WORLD_SIZE) into stages "
+                              f"of equal tensor-parallel size")
+        return world // pp
+    if tp * pp != world:
+        stages = f" x pp_size {pp} = {tp * pp}" if pp > 1 else ""
+        raise AutotpError(f"tp_size {tp}{stages} does not match the {world} launched processes (WORLD_SIZE): "
+                          f"launch {tp * pp} processes, e.g. torchrun --nproc-per-node {tp * pp}")
     return tp
 
 
 def from_pretrained(model: str | os.PathLike, dtype: str | torch.dtype | None = None, tp_size: int | None = None,
                     device: str | torch.device | None = None, check_inputs: bool = True,
-                    quantize: str | None = None, group_size: int = INT4_GROUP) -> nn.Module:
+                    quantize: str | None = None, group_size: int = INT4_GROUP, pp_size: int = 1,
+                    pp_layers: tuple[int, ...] | None = None) -> nn.Module:
     """Load this rank's shard of a safetensors causal LM; every rank reads only its own slices (of each
     expert's tensor, too, where an MoE checkpoint stores the experts one tensor each, as the hub's do).
 
@@ -66,15 +80,25 @@ def from_pretrained(model: str | os.PathLike, dtype: str | torch.dtype | None = 
     quantized, each slice quantized as it is read (autotp.quant.weights). A GPTQ checkpoint (4-bit, its
     config's quantization_config) loads without it: each rank reads its slice of the GPTQ tensors and
     repacks it for the same int4 kernel (autotp.quant.gptq).
+    pp_size > 1: this rank's pipeline stage (WORLD_SIZE = tp_size x pp_size; stage s is ranks s * tp_size onwards),
+    its layers split as pp_layers says or evenly (autotp.parallel.stages): it reads only its stage's layers of its
+    slice, and its forward is autotp serve's engine's (autotp.parallel.stage_io), not a user's.
     """
-    env = distributed.init(device)
-    tp = _check_tp(tp_size, env.world_size)
-    p = prepare(tp, env.device.type, model_dir=resolve_model_dir(model), dtype=dtype, quantize=quantize,
+    world = distributed.init(device)
+    tp = _check_tp(tp_size, world.world_size, pp_size)
+    p = prepare(tp, world.device.type, model_dir=resolve_model_dir(model), dtype=dtype, quantize=quantize,
                 group_size=group_size)  # all checked before reading
+    stages, stage, layout = None, 0, p.layout
+    if pp_size > 1:
+        stages = Stages.split(pp_size, tp, len(decoder_layers(p.model, p.plan)), pp_layers)
+        stage = stages.stage(world.rank)
+        layout = cut(p.model, p.layout, stages, stage)
+    env = distributed.stage_dist(world, tp, pp_size)
     _announce(p.plan)
-    ckpt, layout = p.checkpoint, p.layout
-    progress = tqdm(total=len(layout.params), desc=f"loading {p.plan.family} tp={tp}", unit="tensor",
-                    disable=env.rank != 0 or not sys.stderr.isatty())
+    ckpt = p.checkpoint
+    what = f"tp={tp}" + (f" pp={pp_size}" if pp_size > 1 else "")
+    progress = tqdm(total=len(layout.params), desc=f"loading {p.plan.family} {what}", unit="tensor",
+                    disable=world.rank != 0 or not sys.stderr.isatty())
 
     def read(param: Param, shard: TensorShard, meta: nn.Parameter) -> torch.Tensor | QuantizedWeight:
         progress.update()
@@ -98,7 +122,11 @@ def from_pretrained(model: str | os.PathLike, dtype: str | torch.dtype | None = 
     parallelize(net, layout, env.rank, GroupRef.of(env.group), read)
     progress.close()
     net.to(env.device)
-    net.autotp = ShardInfo(p.plan.family, tp, env.rank, layout.rank_bytes(env.rank), ckpt.bytes_read)
+    net.autotp = ShardInfo(p.plan.family, tp, env.rank, layout.rank_bytes(env.rank), ckpt.bytes_read, pp_size, stage,
+                           stages and stages.span(stage), stages)
+    if stages is not None:  # the engine feeds each stage; a user's generate cannot
+        net.autotp_stage = StageIO(net, decoder_layers(net, p.plan), stages.span(stage), stage, pp_size)
+        return net
     _finish(net, env, check_inputs)
     return net
 

@@ -1,4 +1,4 @@
-"""`autotp serve`: an OpenAI-compatible completions server on a tensor-parallel model.
+"""`autotp serve`: an OpenAI-compatible completions server on a tensor-parallel (and pipeline-parallel) model.
 
 The packages, by who may touch what (each imports only those listed after it, and types.py):
 
@@ -27,6 +27,11 @@ lockstep/ (between the engine and the ranks):
 - executor.py: rank 0's executor (send, run, the failure rules) and the other ranks' `follow`.
 - watchdog.py: a step that failed on some ranks only, found within seconds.
 
+pipeline/ (pipeline parallelism: stages of tensor-parallel ranks, each a run of the layers):
+- links.py: each step's hop to the next stage with its hidden states, and the sampled tokens back to rank 0.
+- executor.py: rank 0's executor (`Pipeline`: up to pp steps in flight) and every other rank's `follow_stage`.
+- liveness.py: every rank's beat and watch across hosts: a host that died or lost its link named within seconds.
+
 runner/ (every rank; the only code that touches the step's tensors; never imports the engine):
 - model_runner.py: this rank's block tables and one forward per step, its description built once before it.
 - next_tokens.py: the rank that samples: scores to token ids (draws, drafts verified, log-probabilities), one sync.
@@ -44,6 +49,7 @@ options.py: the settings (`ServeOptions`), and the contradictions among them ref
 preflight.py: what needs no model (the backend on this device, the port, the directories), refused before the
 server's imports and before any rank starts.
 server.py: `serve()`, the one place that imports them all and ties them together.
+offline.py: `autotp generate --pp N`: one prompt through the engine and its stages, without HTTP.
 
 `serve` is imported on first use, so that the protocol modules of api/ import without torch.
 """

@@ -37,6 +37,8 @@ class ServeOptions:
     speculate: int = 4  # prompt-lookup draft tokens per decoding row and step (cli.SPECULATE)
     compile: bool = False  # the decode step as one compiled graph (compiled.py; cli.COMPILE)
     attention: str = "sdpa"  # the attention backend: sdpa, flex or varlen (runner/attention/backends.py)
+    pp: int = 1  # pipeline stages (serve/pipeline/): WORLD_SIZE = tp x pp
+    pp_layers: tuple[int, ...] | None = None  # decoder layers per stage (--pp-layers); None: as even as can be
 
     def check(self) -> None:
         """Raise AutotpError for settings that contradict one another, whatever the model."""
@@ -45,3 +47,9 @@ class ServeOptions:
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise AutotpError(f"--max-num-batched-tokens {self.max_num_batched_tokens} is less than --max-num-seqs "
                               f"{self.max_num_seqs}: every running row decodes one token per step")
+        if self.pp > 1 and self.compile:
+            raise AutotpError(f"--compile runs the whole model as one graph; with --pp {self.pp} each stage runs part "
+                              f"of it: leave out --compile")
+        if self.pp_layers is not None and len(self.pp_layers) != self.pp:
+            raise AutotpError(f"--pp-layers gives {len(self.pp_layers)} stages "
+                              f"({','.join(map(str, self.pp_layers))}) for --pp {self.pp}")

@@ -40,11 +40,14 @@ from autotp.serve.lockstep.executor import Lockstep, follow
 from autotp.serve.lockstep.step import Step
 from autotp.serve.lockstep.wire import Channel
 from autotp.serve.options import ServeOptions
+from autotp.serve.pipeline.executor import Pipeline, follow_stage
+from autotp.serve.pipeline.links import Links
 from autotp.serve.preflight import NO_TOKENIZER, listen, refusal
 from autotp.serve.runner.attention.backends import BACKENDS, choose
 from autotp.serve.runner.compiled import cache_dir
 from autotp.serve.runner.kv_cache import KvPool
 from autotp.serve.runner.model_runner import ModelRunner
+from autotp.serve.runner.probe import first_layer
 from autotp.serve.startup import budget, weight_form
 from autotp.serve.types import StopFlag, log
 from autotp.tokenizer import load_tokenizer
@@ -71,23 +74,27 @@ def public_name(model: str) -> str:
 
 
 def parts(model, shapes, limits: Limits, block_size: int = 16, caching: bool = True, rank0: bool = True,
-          speculate: int = 0, attention: str = "sdpa") -> tuple[ModelRunner, Scheduler | None]:
-    """This rank's model runner and, on rank 0, the scheduler. shapes: probe.probe's; the pool holds
-    limits.kv_tokens // block_size blocks; speculate: the longest draft, so decoding and drafted requests share one
-    sdpa call; attention: the backend's name, already chosen (backends.choose)."""
+          speculate: int = 0, attention: str = "sdpa", samples: bool | None = None,
+          lanes: int = 1) -> tuple[ModelRunner, Scheduler | None]:
+    """This rank's model runner and, on rank 0, the scheduler. shapes: probe.probe's (the layers from
+    probe.first_layer on); the pool holds limits.kv_tokens // block_size blocks; speculate: the longest draft, so
+    decoding and drafted requests share one sdpa call; attention: the backend's name, already chosen
+    (backends.choose); samples: this rank turns scores into tokens (default: rank 0; a pipeline's last stage's first
+    rank); lanes: steps in flight (a pipeline's stages)."""
     blocks = limits.kv_tokens // block_size
-    runner = ModelRunner(model, KvPool(shapes, blocks, block_size, model.device), BACKENDS[attention](1 + speculate),
-                         samples=rank0)
-    return runner, Scheduler(BlockPool(blocks, block_size, caching), limits, speculate) if rank0 else None
+    pool = KvPool(shapes, blocks, block_size, model.device, first_layer(model))
+    runner = ModelRunner(model, pool, BACKENDS[attention](1 + speculate), samples=rank0 if samples is None else samples)
+    return runner, Scheduler(BlockPool(blocks, block_size, caching), limits, speculate, lanes) if rank0 else None
 
 
 def engine(model, tokenizer, runner: ModelRunner, scheduler: Scheduler, channel: Channel, max_queue: int = 256,
-           stopping: StopFlag | None = None) -> Engine:
-    """Rank 0's engine over this rank's runner and the scheduler (`parts`), its steps sent on `channel`. The engine
-    decodes with a copy of the tokenizer of its own: the API's thread tokenizes with the original, and HF fast
-    tokenizers are not meant to be used from two threads at once."""
-    return Engine(scheduler, Lockstep(runner, channel), OutputProcessor(copy.deepcopy(tokenizer), eos_ids(model)),
-                  max_queue, stopping)
+           stopping: StopFlag | None = None, pipeline: Pipeline | None = None) -> Engine:
+    """Rank 0's engine over this rank's runner and the scheduler (`parts`), its steps sent on `channel` (or through
+    `pipeline`, the executor of a pipeline of stages). The engine decodes with a copy of the tokenizer of its own: the
+    API's thread tokenizes with the original, and HF fast tokenizers are not meant to be used from two threads at
+    once."""
+    executor = pipeline or Lockstep(runner, channel)
+    return Engine(scheduler, executor, OutputProcessor(copy.deepcopy(tokenizer), eos_ids(model)), max_queue, stopping)
 
 
 def eos_ids(model) -> frozenset[int]:
@@ -142,7 +149,9 @@ def serve(model: str, model_id: str, opts: ServeOptions = ServeOptions()) -> int
     max_model_len, source = context_limit(config, tokenizer, opts.max_model_len)
     # the input guard's per-forward all-reduce has nothing to catch here: rank 0 sends every input itself
     net = autotp.from_pretrained(model_dir, dtype=dtype, device=opts.device, quantize=opts.quantize,
-                                 group_size=opts.group_size, check_inputs=False)
+                                 group_size=opts.group_size, check_inputs=False, pp_size=opts.pp,
+                                 pp_layers=opts.pp_layers)
+    stages = net.autotp.stages
     if env.group is not None:
         # ranks finish loading at different times: wait here under the process group's long timeout
         # (AUTOTP_TIMEOUT), not in the control group's first broadcast, whose timeout is short
@@ -150,7 +159,10 @@ def serve(model: str, model_id: str, opts: ServeOptions = ServeOptions()) -> int
     cache = budget.size(net, channel, env.rank, env.device, opts, max_model_len, attention)
     limits = Limits(opts.max_num_seqs, opts.max_num_batched_tokens, cache.tokens)
     runner, scheduler = parts(net, cache.shapes, limits, opts.block_size, opts.prefix_caching, env.rank == 0,
-                              opts.speculate, attention.name)
+                              opts.speculate, attention.name, stages is None or env.rank == stages.sampler, opts.pp)
+    if stages is not None:  # every rank makes the pipeline's groups: stage 0's channel, the links between stages
+        stage0 = Channel(stages.ranks(0))
+        links = Links(env.rank, stages.next_rank(env.rank), stages.prev_rank(env.rank), stages.sampler)
     # after the budget's checks: a refused start-up says its error alone and leaves F.linear as it was
     said = weight_form.kernels(net, env.device)
     if env.rank == 0:
@@ -179,18 +191,21 @@ def serve(model: str, model_id: str, opts: ServeOptions = ServeOptions()) -> int
     for sig in (signal.SIGINT, signal.SIGTERM, *hangup):
         signal.signal(sig, stop)
     if env.rank != 0:
+        if stages is not None:
+            return follow_stage(runner, stage0, links, stages, env.rank, channel.tag(), stopping)
         code = follow(runner, channel, stopping)
         channel.close()  # every rank got "stop": the group is whole (a broken one is left to the exit)
         return code
 
-    rank0 = engine(net, tokenizer, runner, scheduler, channel, opts.max_queue, stopping)
+    pipeline = None if stages is None else Pipeline(runner, stage0, links, stages, channel.tag())
+    rank0 = engine(net, tokenizer, runner, scheduler, channel, opts.max_queue, stopping, pipeline)
     metrics = Metrics(rank0.load)
     served = Served(model_id, tokenizer, max_model_len, int(time.time()), limits.kv_tokens,
                     min(len(tokenizer), config.vocab_size))
     facts = router_api.Facts(  # what SGLang's router asks each replica
         str(model_dir.resolve()) if model_dir == Path(model) else model,
         str(Path(tokenizer_dir or model_dir).resolve()), config.model_type, tuple(config.architectures or ()),
-        env.world_size, limits.max_num_seqs, limits.max_num_batched_tokens)
+        env.world_size // opts.pp, opts.pp, limits.max_num_seqs, limits.max_num_batched_tokens)
     frontend = Frontend(metrics)
     app = build_app(served, rank0, frontend, opts.max_body_bytes, host_policy(opts.host, opts.allowed_hosts),
                     opts.api_key, facts)
@@ -201,11 +216,12 @@ def serve(model: str, model_id: str, opts: ServeOptions = ServeOptions()) -> int
         channel.send(Step(stop=True))
         raise
     address = sock.getsockname()
-    log(f"serving {model_id} (tp={env.world_size}, up to {limits.max_num_seqs} sequences and "
+    shape = f"tp={env.world_size}" if stages is None else f"tp={stages.tp} pp={stages.pp}, layers {stages.layers}"
+    log(f"serving {model_id} ({shape}, up to {limits.max_num_seqs} sequences and "
         f"{limits.max_num_batched_tokens} tokens per step, context {max_model_len}) on http://{opts.host}:{address[1]}")
     code = rank0.run(frontend.deliver)
     http.stop()
-    if code == 0:
+    if code == 0 and stages is None:
         channel.close()
     hung_up = code == 0 and stopped_by[:1] == [signal.SIGHUP]
     log("hung up (SIGHUP): stopped" if hung_up else "stopped" if code == 0 else "exited after a rank failure")

@@ -37,13 +37,14 @@ class Facts:
     model_type: str
     architectures: tuple[str, ...]
     tp_size: int
+    pp_size: int
     max_running_requests: int  # --max-num-seqs
     max_prefill_tokens: int  # --max-num-batched-tokens
 
 
 def server_info(served: Served, facts: Facts, max_queue: int) -> dict:
     return {"served_model_name": served.model_id, "model_path": facts.model_path,
-            "tokenizer_path": facts.tokenizer_path, "tp_size": facts.tp_size, "dp_size": 1,
+            "tokenizer_path": facts.tokenizer_path, "tp_size": facts.tp_size, "pp_size": facts.pp_size, "dp_size": 1,
             "context_length": served.max_model_len, "max_total_tokens": served.kv_tokens,
             "max_running_requests": facts.max_running_requests, "max_prefill_tokens": facts.max_prefill_tokens,
             "max_queued_requests": max_queue, "version": autotp.__version__, "server": "autotp"}

@@ -66,6 +66,7 @@ class Engine:
         self.aborts: queue.SimpleQueue[str] = queue.SimpleQueue()
         self.flushes: queue.SimpleQueue[Future] = queue.SimpleQueue()  # POST /flush_cache, answered between steps
         self.in_flight: deque[Step] = deque()
+        self.lane = 0  # whose step is next (scheduler.py: one lane per step in flight)
         self.pending: list[Event] = []  # a failed step's answers, sent once the next step has reached every rank
         self.lock = threading.Lock()  # makes "accepting" and "queued" one step, so no request is lost at shutdown
         self.accepting = True
@@ -138,7 +139,8 @@ class Engine:
         self._intake(block=self.scheduler.idle() and not self.in_flight)
         if not self.in_flight:
             self._answer_flushes()
-        step = self.scheduler.schedule(out.stats, admit=not self.stopping.is_set())
+        step = self.scheduler.schedule(out.stats, admit=not self.stopping.is_set(), lane=self.lane)
+        self.lane = (self.lane + 1) % self.executor.depth
         if step.new:
             with self.lock:
                 self.queued -= len(step.new)

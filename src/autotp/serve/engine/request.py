@@ -50,6 +50,7 @@ class Request:
     reserved: int = 0  # blocks it may still take (its whole life's were reserved at admission)
     cached: int = 0  # prompt tokens it found in the prefix cache at admission
     in_flight: bool = False  # a step that computes its tokens has been handed out and not yet come back
+    lane: int = 0  # the lane whose steps compute it (a pipeline keeps one step of each lane in flight)
     draft: tuple[int, ...] = ()  # the tokens it guesses follow its last one (lookup.py), fed after it this step
     history: object = None  # its prompt as a numpy array, made at its first draft (lookup.py searches it)
     # the output processor's

@@ -14,7 +14,10 @@ draft (lookup.py) after its last token, every position scored, within the budget
 
 More than one step may be in flight (a pipeline of P stages keeps P of them moving): a request whose step has not
 come back is not scheduled again, so each request is in at most one step, and `update` takes each step back by its
-requests' ids whenever it lands. Pure bookkeeping (no torch): the runners (runner/model_runner.py) do the work.
+requests' ids whenever it lands. So that P steps are in flight at all, the running requests are kept in P lanes (vLLM's
+virtual engines): the engine asks for each lane's step in turn, and a request admitted in a lane's step stays in it;
+a lane admits up to its share of the requests running and waiting, so the lanes stay even. Pure bookkeeping (no
+torch): the runners (runner/model_runner.py) do the work.
 """
 
 from __future__ import annotations
@@ -54,8 +57,8 @@ class Scheduler:
     """pool: the blocks of every rank's KV pool (the same ids everywhere); speculate: the longest draft per
     decoding request and step (0: off)."""
 
-    def __init__(self, pool: BlockPool, limits: Limits, speculate: int = 0):
-        self.pool, self.limits, self.speculate = pool, limits, speculate
+    def __init__(self, pool: BlockPool, limits: Limits, speculate: int = 0, lanes: int = 1):
+        self.pool, self.limits, self.speculate, self.lanes = pool, limits, speculate, lanes
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}  # by id, in the order they were admitted
         self.ended: list[int] = []  # requests freed since the last step: the runners forget them with the next one
@@ -70,13 +73,13 @@ class Scheduler:
     def idle(self) -> bool:
         return not self.running and not self.waiting
 
-    def schedule(self, stats: StepStats, admit: bool = True) -> Step:
-        """The next step: what each running request that is not in flight computes, then the requests admitted from
-        the head of the queue (none where `admit` is off: the server is stopping). Its requests are in flight until
-        `update`."""
+    def schedule(self, stats: StepStats, admit: bool = True, lane: int = 0) -> Step:
+        """Lane `lane`'s next step: what each of its running requests that is not in flight computes, then the
+        requests admitted from the head of the queue (none where `admit` is off: the server is stopping). Its requests
+        are in flight until `update`."""
         budget = self.limits.max_num_batched_tokens
         work, new = [], []
-        ready = [r for r in self.running.values() if not r.in_flight]
+        ready = [r for r in self.running.values() if not r.in_flight and r.lane == lane]
         ready.sort(key=lambda r: r.computed < len(r.prompt))  # decoding first, then prompts, each in arrival order
         for r in ready:
             n = min(r.num_tokens - r.computed, budget)
@@ -85,11 +88,15 @@ class Scheduler:
             r.draft = self._draft(r, budget - n) if n == 1 and r.output else ()
             budget -= n + len(r.draft)
             work.append(self._work(r, n))
-        while admit and self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+        share = -(-(len(self.running) + len(self.waiting)) // self.lanes)
+        in_lane = sum(r.lane == lane for r in self.running.values())
+        while (admit and self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs
+               and in_lane < share):
             r = self.waiting[0]
             copy = self._admit(r, stats)
             if copy is None:
                 break  # first come, first served: the head waits for room, nobody overtakes it
+            r.lane, in_lane = lane, in_lane + 1
             n = min(len(r.prompt) - r.computed, budget)
             budget -= n
             new.append(NewRequest(id=r.id, sampling=SamplingParams(r.row.temperature, r.row.top_p, r.row.top_k,

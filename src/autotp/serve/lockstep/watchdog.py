@@ -47,8 +47,9 @@ class Watch:
     same on every rank and new for each engine of the process group (its channel's group name), so that an
     earlier engine's notes in the same store are never read as this one's."""
 
-    def __init__(self, rank: int, tp: int, tag: str):
+    def __init__(self, rank: int, tp: int, tag: str, ranks: range | None = None):
         self.rank, self.tp, self.tag = rank, tp, tag
+        self.ranks = range(tp) if ranks is None else ranks  # whose notes count: every rank, or a pipeline stage's
         self.store = dist.distributed_c10d._get_default_store() if tp > 1 else None
         if self.store is not None:  # so that rank 0 can name a rank that died where gloo's error does not
             self.store.set(f"{PREFIX}/{tag}/pid/{rank}", f"{socket.gethostname()} {os.getpid()}")
@@ -64,7 +65,7 @@ class Watch:
             return None
         peers = []  # (rank, pid) of the other ranks on this host
         try:
-            for r in range(self.tp):
+            for r in self.ranks:
                 host, pid = self.store.get(f"{PREFIX}/{self.tag}/pid/{r}").decode().split()
                 if r != self.rank and host == socket.gethostname():
                     peers.append((r, int(pid)))
@@ -92,7 +93,7 @@ class Watch:
         """Whether every rank said its forward of `step` raised, within GRACE_S."""
         if self.store is None:
             return True
-        keys = [self._key(step, r) for r in range(self.tp)]
+        keys = [self._key(step, r) for r in self.ranks]
         deadline = time.monotonic() + GRACE_S
         while not self.store.check(keys):  # (store.wait logs a warning line per timeout)
             if time.monotonic() > deadline:
@@ -102,8 +103,8 @@ class Watch:
 
     def who(self, step: int) -> list[tuple[int, str]]:
         """The ranks that said their forward of `step` raised, and what."""
-        keys = [self._key(step, r) for r in range(self.tp)]
-        return [(r, self.store.get(k).decode()) for r, k in enumerate(keys) if self.store.check([k])]
+        return [(r, self.store.get(self._key(step, r)).decode()) for r in self.ranks
+                if self.store.check([self._key(step, r)])]
 
 
 class StepWatchdog(threading.Thread):

@@ -27,13 +27,21 @@ TIMEOUT_S = 60  # no broadcast waits longer than a heartbeat plus one step (a lo
 
 
 class Channel:
-    """rank 0 `send`s, every other rank `recv`s, once per step. group None (one rank): nothing is sent."""
+    """rank 0 `send`s, every other rank `recv`s, once per step. group None (one rank): nothing is sent.
+    ranks: the ranks it reaches (a pipeline's first stage; default every rank), rank 0 among them. Every rank makes
+    it (a process group is made by the world); on a rank outside `ranks` it does nothing."""
 
-    def __init__(self):
+    def __init__(self, ranks: range | None = None):
         self.group = self.local = None
-        if distributed.world_size() > 1:
-            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=TIMEOUT_S))
-            self.local = shm.for_group(self.group.group_name, self.group)
+        world = distributed.world_size()
+        ranks = range(world) if ranks is None else ranks
+        if len(ranks) > 1:
+            group = dist.new_group(list(ranks) if len(ranks) < world else None, backend="gloo",
+                                   timeout=timedelta(seconds=TIMEOUT_S))
+            if distributed.rank() in ranks:
+                self.group = group
+                self.local = shm.for_group(self.group.group_name, self.group)
+        self.size = len(ranks)
         self.buffer = torch.zeros(BUFFER, dtype=torch.uint8)
 
     def _broadcast(self, x: torch.Tensor) -> None:
@@ -43,9 +51,12 @@ class Channel:
             dist.broadcast(x, src=0, group=self.group)
 
     def send(self, step: Step) -> None:
+        self.send_raw(pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def send_raw(self, data: bytes) -> None:
+        """A step already pickled (a pipeline hands the same bytes on to the next stage)."""
         if self.group is None:
             return
-        data = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
         self.buffer[:HEADER] = torch.frombuffer(bytearray(len(data).to_bytes(HEADER, "little")), dtype=torch.uint8)
         fits = len(data) <= BUFFER - HEADER
         if fits:
@@ -55,13 +66,16 @@ class Channel:
             self._broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8))
 
     def recv(self) -> Step:
+        return pickle.loads(self.recv_raw())
+
+    def recv_raw(self) -> bytes:
         self._broadcast(self.buffer)
         size = int.from_bytes(self.buffer[:HEADER].numpy().tobytes(), "little")
         if size <= BUFFER - HEADER:
-            return pickle.loads(self.buffer[HEADER:HEADER + size].numpy().tobytes())
+            return self.buffer[HEADER:HEADER + size].numpy().tobytes()
         whole = torch.empty(size, dtype=torch.uint8)
         self._broadcast(whole)
-        return pickle.loads(whole.numpy().tobytes())
+        return whole.numpy().tobytes()
 
     def tag(self) -> str:
         """A name the same on every rank and new for each channel of the process group."""
@@ -85,6 +99,6 @@ class Channel:
         """Every rank's value on every rank: start-up only, never per step."""
         if self.group is None:
             return [value]
-        out = [None] * distributed.world_size()
+        out = [None] * self.size
         dist.all_gather_object(out, value, group=self.group)
         return out

@@ -28,11 +28,12 @@ ATTENTION = "autotp_paged"
 
 
 class KvPool:
-    """Keys and values of every layer, allocated once at start-up from what the probe forward stored."""
+    """Keys and values of every layer this rank holds (layers first, first + 1, ...: a pipeline stage's), allocated
+    once at start-up from what the probe forward stored."""
 
     def __init__(self, shapes: list[tuple[int, int, torch.dtype]], num_blocks: int, block_size: int,
-                 device: torch.device):
-        self.block_size, self.num_blocks = block_size, num_blocks
+                 device: torch.device, first: int = 0):
+        self.block_size, self.num_blocks, self.first = block_size, num_blocks, first
         self.slots = num_blocks * block_size  # the index of the zero padding slot
         self.scratch = self.slots + 1  # written by padding rows, never read
         self.keys, self.values = [], []
@@ -75,9 +76,9 @@ class StepCache:
         if self.pool is None:
             self.shapes[layer_idx] = (key.shape[1], key.shape[3], key.dtype)
             return key, value
-        write = self.meta.slot_mapping
-        self.pool.keys[layer_idx].index_copy_(0, write, key[0].transpose(0, 1))
-        self.pool.values[layer_idx].index_copy_(0, write, value[0].transpose(0, 1))
+        write, i = self.meta.slot_mapping, layer_idx - self.pool.first
+        self.pool.keys[i].index_copy_(0, write, key[0].transpose(0, 1))
+        self.pool.values[i].index_copy_(0, write, value[0].transpose(0, 1))
         return key, value
 
     def attend(self, layer_idx: int, query: torch.Tensor, scale: float | None = None, window: int | None = None,
@@ -89,7 +90,8 @@ class StepCache:
             self.needs |= {"soft-capping"} if softcap is not None else set()
             self.needs |= {"ALiBi"} if alibi is not None else set()
             return query.new_zeros(1, query.shape[2], query.shape[1], query.shape[3])
-        keys, values = self.pool.keys[layer_idx], self.pool.values[layer_idx]
+        i = layer_idx - self.pool.first
+        keys, values = self.pool.keys[i], self.pool.values[i]
         out = self.meta.attention.attend(query[0].transpose(0, 1), keys, values, scale, window, softcap, alibi)
         return out[None]
 

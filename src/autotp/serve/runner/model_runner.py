@@ -1,7 +1,7 @@
 """The model runner: this rank's requests (their block tables), one forward per step over every request's new tokens,
 and, on the rank that samples, each request's next tokens (next_tokens.py).
 
-Every rank changes its tables only by the steps rank 0 broadcasts (`apply`) and runs each step the same way (`run`):
+Every rank changes its tables only by the steps rank 0 sends (`apply`) and runs each step the same way (`run`):
 the requests' new tokens flattened into one (1, tokens) input with their positions, and the step's description
 (attention/step.StepMeta) built once, here, before the forward, by the attention backend the server runs
 (attention/backends.py). Only the positions rank 0 asked for reach the LM head (`logits_to_keep`): a sampling
@@ -11,6 +11,9 @@ The index arithmetic is done on the host in numpy, and the step's index arrays (
 the device in one copy; the step then waits for the device once, where its tokens are read back (or, on a rank that
 samples nothing, in `landed`). Nothing here decides anything; a forward that raises leaves its requests' new slots
 half written, so rank 0 fails those requests on every rank alike and their blocks are never cached.
+
+On a pipeline stage (parallel/stage_io.py) the forward takes the hidden states the stage before computed and, before
+the last stage, gives its own instead of scores: `run` returns them, (tokens, hidden), for the next stage.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from autotp.parallel import stage_io
 from autotp.serve.lockstep.step import Step, StepResult, Work
 from autotp.serve.runner import adapters
 from autotp.serve.runner.attention.step import StepLayout, StepMeta, ship
@@ -45,6 +49,7 @@ class ModelRunner:
         self.device = model.device
         adapters.install(model)  # BLOOM, Falcon, MPT: their attention modules' paged forward (once per model)
         self.implementation = Implementation(model)
+        self.stage = getattr(model, "autotp_stage", None)  # a pipeline stage's hooks (parallel/stage_io.py), or None
         self.tables: dict[int, list[int]] = {}
         self.next_tokens = NextTokens(self.device) if samples else None
         self.graph: CompiledDecode | None = None  # compile()
@@ -77,15 +82,20 @@ class ModelRunner:
         if copies:  # before the forward: a block another request takes this step is written only by the forward
             self.pool.copy(copies)
 
-    def run(self, step: Step) -> StepResult | None:
-        """The step's forward, then (rank 0) its requests' next tokens. Raises what the forward raised, with its
-        requests' tables already gone."""
+    def run(self, step: Step, received: torch.Tensor | None = None) -> StepResult | torch.Tensor | None:
+        """The step's forward, then (on the rank that samples) its requests' next tokens; on a pipeline stage before
+        the last, the hidden states (tokens, hidden) it hands on. received: what the stage before handed on. Raises
+        what the forward raised, with its requests' tables already gone."""
         try:
-            return self._run(step.work)
+            return self._run(step.work, received)
         except BaseException:
-            for w in step.work:
-                self.tables.pop(w.id, None)
+            self.fail(step)
             raise
+
+    def fail(self, step: Step) -> None:
+        """The step's forward failed (here, or on a stage before this one): its requests' tables go."""
+        for w in step.work:
+            self.tables.pop(w.id, None)
 
     def _spans(self, work: tuple[Work, ...]) -> tuple[list[int], list[int], list[Span]]:
         """The step's flattened token ids, the positions the LM head keeps, and each request's span of them."""
@@ -100,7 +110,7 @@ class ModelRunner:
                 keep += range(first, a + n)
         return ids, keep, spans
 
-    def _run(self, work: tuple[Work, ...]) -> StepResult | None:
+    def _run(self, work: tuple[Work, ...], received: torch.Tensor | None) -> StepResult | torch.Tensor | None:
         ids, keep, spans = self._spans(work)
         plan = self.next_tokens.plan(spans) if self.next_tokens is not None else None
         extra = plan.arrays() if plan is not None else []
@@ -112,7 +122,9 @@ class ModelRunner:
         else:
             meta, (ids_t, keep_t, *shipped) = self.describe(work, [np.array([ids]), np.array(keep), *extra])
             with torch.inference_mode():
-                logits = self._forward(ids_t, meta, keep_t)
+                logits = self._forward(ids_t, meta, keep_t, received)
+        if self.stage is not None and not self.stage.last:
+            return logits  # the hidden states, for the next stage
         if plan is None or not spans:  # nothing to read back: wait for the device here
             landed(logits)
             return None if plan is None else StepResult()
@@ -128,14 +140,18 @@ class ModelRunner:
         slots, positions, *rest = ship([layout.slots, layout.positions, *arrays, *extra], self.device)
         return StepMeta(slots, positions, build(rest[:len(arrays)])), rest[len(arrays):]
 
-    def _forward(self, ids: torch.Tensor, meta: StepMeta, keep: torch.Tensor | int = 0) -> torch.Tensor:
-        """ids (1, tokens) -> the scores (kept, vocab) of the positions `keep` (0: every position). The caller
-        chooses the grad mode: inference_mode eager, no_grad compiled (inductor refuses inference tensors)."""
+    def _forward(self, ids: torch.Tensor, meta: StepMeta, keep: torch.Tensor | int = 0,
+                 received: torch.Tensor | None = None) -> torch.Tensor:
+        """ids (1, tokens) -> the scores (kept, vocab) of the positions `keep` (0: every position); before a
+        pipeline's last stage, the hidden states (tokens, hidden) of its last layer, `received` (tokens, hidden)
+        entering its first. The caller chooses the grad mode: inference_mode eager, no_grad compiled (inductor
+        refuses inference tensors)."""
         cache = StepCache(self.pool, meta, ids.shape[1])
         self.implementation.set()  # for this forward only
         try:
-            out = self.model(input_ids=ids, position_ids=meta.positions[None], cache=cache, use_cache=True,
-                             logits_to_keep=keep, paged=cache)
+            out = stage_io.forward(self.model, lambda: self.model(
+                input_ids=ids, position_ids=meta.positions[None], cache=cache, use_cache=True, logits_to_keep=keep,
+                paged=cache), None if received is None else received[None])
         finally:
             self.implementation.restore()
-        return out.logits[0]
+        return out[0] if isinstance(out, torch.Tensor) else out.logits[0]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from autotp.errors import AutotpError
+from autotp.parallel import stage_io
 from autotp.serve.runner import adapters
 from autotp.serve.runner.kv_cache import ATTENTION, StepCache
 
@@ -40,10 +41,17 @@ class Implementation:
 MASKS = {"full_attention", "sliding_attention"}  # causal, and causal within a window: what the backends mask
 
 
+def first_layer(model) -> int:
+    """The first decoder layer this rank holds: 0, or its pipeline stage's first (parallel/stage_io.py)."""
+    stage = getattr(model, "autotp_stage", None)
+    return 0 if stage is None else stage.span.start
+
+
 def probe(model, needs: set[str] | None = None) -> list[tuple[int, int, torch.dtype]]:
-    """This rank's (kv_heads, head_dim, dtype) of every layer; raises where the model's attention does not reach
-    the pool. Every rank calls it together: it is a forward. `needs`, where given, gets what some layer's attention
-    asks beyond a causal mask and a window ("ALiBi", "soft-capping"): what a backend may not do (its refuse_model)."""
+    """This rank's (kv_heads, head_dim, dtype) of every layer it holds (from `first_layer` on); raises where the
+    model's attention does not reach the pool. Every rank of its tensor-parallel group calls it together: it is a
+    forward. `needs`, where given, gets what some layer's attention asks beyond a causal mask and a window ("ALiBi",
+    "soft-capping"): what a backend may not do (its refuse_model)."""
     config = model.config
     kinds = set(getattr(config, "layer_types", None) or ()) - MASKS
     if kinds:  # chunked (Llama 4), linear or bidirectional layers: masks the paged attention does not make
@@ -55,16 +63,17 @@ def probe(model, needs: set[str] | None = None) -> list[tuple[int, int, torch.dt
     implementation.set()
     try:
         with torch.inference_mode():
-            model(input_ids=torch.tensor([[0]], device=device), position_ids=torch.tensor([[0]], device=device),
-                  cache=cache, use_cache=True, logits_to_keep=1, paged=cache)
+            stage_io.forward(model, lambda: model(
+                input_ids=torch.tensor([[0]], device=device), position_ids=torch.tensor([[0]], device=device),
+                cache=cache, use_cache=True, logits_to_keep=1, paged=cache))
     except AutotpError as e:
         raise AutotpError(f"autotp serve cannot run {config.model_type}: {e}") from e
     finally:
         implementation.restore()
     if needs is not None:
         needs |= cache.needs
-    layers = sorted(set(cache.shapes) | cache.attended)
-    if not cache.shapes or cache.attended != set(cache.shapes) or layers != list(range(len(layers))):
+    layers, first = sorted(set(cache.shapes) | cache.attended), first_layer(model)
+    if not cache.shapes or cache.attended != set(cache.shapes) or layers != list(range(first, first + len(layers))):
         missed = sorted(set(cache.shapes) ^ cache.attended)
         raise AutotpError(f"autotp serve cannot run {config.model_type}: the attention of "
                           f"{f'layers {missed}' if missed else 'its layers'} neither goes through transformers' "

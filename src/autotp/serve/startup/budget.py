@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from autotp.errors import AutotpError
+from autotp.parallel import stage_io
 from autotp.serve.lockstep.wire import Channel
 from autotp.serve.options import GPU_MEMORY_UTILIZATION, ServeOptions
 from autotp.serve.runner.attention.backends import check_model
@@ -41,8 +42,8 @@ def step_peak(model, tokens: int) -> int:
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
     with torch.inference_mode():
-        model(input_ids=torch.zeros((1, tokens), dtype=torch.long, device=device), use_cache=False,
-              logits_to_keep=1)
+        stage_io.forward(model, lambda: model(input_ids=torch.zeros((1, tokens), dtype=torch.long, device=device),
+                                              use_cache=False, logits_to_keep=1))
     torch.cuda.synchronize(device)
     return max(0, torch.cuda.max_memory_allocated(device) - base)
 

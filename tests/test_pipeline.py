@@ -1,0 +1,124 @@
+"""Pipeline parallelism on one host: stages of tensor-parallel ranks, each holding a run of the decoder layers.
+
+The oracle is the engine tests' (rows.py): each row generated alone, unsharded, by HF `generate`. Through a pipeline
+of 2 or 3 stages, of 1 or 2 ranks each, every row must get the same tokens, with rows joining mid-way, prompts longer
+than a chunk, prefixes from the cache and drafts verified. Which layers and tensors each stage holds is checked on the
+resolved layout, before any weight is read.
+"""
+
+from __future__ import annotations
+
+import pytest
+from checkpoints import word_tokenizer
+from engine_driver import drafted_and_cached, pipeline_rows, tokens_of
+from families import MODELS, any_model
+from rows import LIMITS, SPEC, alone, prompts
+
+from autotp.errors import AutotpError
+from autotp.parallel.stage_cut import Passthrough, cut, decoder_layers
+from autotp.parallel.stages import Stages
+from autotp.prepare import prepare
+
+# the families of the issue: multi-query (StarCoder's), grouped-query with tied embeddings, ALiBi, soft-capping
+FAMILIES = ["gpt_bigcode_mqa12", "gemma", "bloom", "gemma2"]
+LAYERS = 5  # uneven at pp 2 (3, 2) and pp 3 (2, 2, 1)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """saved(name) -> the directory of that model's LAYERS-layer checkpoint, written once for the module."""
+    made: dict[str, str] = {}
+
+    def get(name: str) -> str:
+        if name not in made:
+            made[name] = str(tmp_path_factory.mktemp(name))
+            any_model(name, LAYERS).save_pretrained(made[name])
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    return word_tokenizer(tmp_path_factory.mktemp("words"))
+
+
+def test_layers_go_to_stages_evenly_the_first_taking_one_more():
+    assert Stages.split(2, 2, 30).layers == (15, 15)
+    assert Stages.split(3, 1, 40).layers == (14, 13, 13)
+    s = Stages.split(2, 2, 40, (18, 22))
+    assert (s.span(0), s.span(1)) == (range(0, 18), range(18, 40))
+    assert [s.stage(r) for r in range(4)] == [0, 0, 1, 1] and s.sampler == 2
+    assert [s.next_rank(r) for r in range(4)] == [2, 3, None, None]
+    assert [s.prev_rank(r) for r in range(4)] == [None, None, 0, 1]
+
+
+@pytest.mark.parametrize("pp, given, words", [
+    (41, None, ["--pp 41", "40 decoder layers"]),
+    (2, (18, 20), ["18,20", "sum to the model's 40 layers, not 38"]),
+    (2, (40, 0), ["40,0", "a layer at least"]),
+    (3, (20, 20), ["2 stages", "--pp 3"]),
+])
+def test_a_split_that_cannot_be_says_both_numbers(pp, given, words):
+    with pytest.raises(AutotpError) as e:
+        Stages.split(pp, 1, 40, given)
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_each_stage_reads_its_layers_and_the_embeddings_only_where_used(name, tmp_path):
+    """The stage's layout, on the meta skeleton: every decoder layer's tensors on one stage only, the input embedding
+    on stage 0, the LM head on the last (a tied one read there as the head's weight)."""
+    model = any_model(name, 4)
+    model.save_pretrained(tmp_path)
+    full = prepare(1, "cpu", model_dir=tmp_path)
+    embed = next(n for n, p in model.named_parameters() if p is model.get_input_embeddings().weight)
+    head = next(n for n, m in model.named_modules() if m is model.get_output_embeddings()) + ".weight"
+    tied = model.get_input_embeddings().weight is model.get_output_embeddings().weight
+    stages = Stages.split(2, 1, 4)
+    held = []
+    for stage in range(2):
+        p = prepare(1, "cpu", model_dir=tmp_path)
+        layout = cut(p.model, p.layout, stages, stage)
+        layers = decoder_layers(p.model, p.plan)
+        assert [isinstance(m, Passthrough) for m in layers] == [i not in stages.span(stage) for i in range(4)]
+        names = {n for n, _ in p.model.named_parameters(remove_duplicate=False)}
+        assert {q.name for q in layout.params.values()} == {layout.param(n).name for n in names}
+        held.append(names)
+        assert (embed in names) == (stage == 0)  # the input embedding: stage 0's
+        assert (head in names) == (stage == 1)  # the LM head: the last stage's, tied or not
+        if tied and stage == 1:  # the tied weight is read there as the head's
+            assert layout.param(head).name == embed
+        assert layout.rank_bytes(0) < full.layout.rank_bytes(0)
+    every = {n for n, _ in full.model.named_parameters(remove_duplicate=False)}
+    assert held[0] | held[1] == every
+    in_layers = {n for n in every if ".layers." in n or ".h." in n or ".blocks." in n}
+    assert not in_layers & held[0] & held[1], "a decoder layer's tensor on both stages"
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("pp, tp", [(2, 1), (3, 1), (2, 2)])
+def test_every_row_gets_the_unsharded_tokens_through_the_pipeline(pools, saved, tokenizer_dir, name, pp, tp):
+    ranks = pools(pp * tp).run(pipeline_rows, saved(name), tokenizer_dir, prompts(), SPEC, LIMITS, pp)
+    assert ranks[1:] == [None] * (pp * tp - 1)
+    assert [tokens_of(e) for e in ranks[0]] == alone(any_model(name, LAYERS))
+
+
+def test_drafts_cached_prefixes_and_log_probabilities_go_through_the_pipeline(pools, saved, tokenizer_dir):
+    import torch
+
+    from autotp.generate import generate
+
+    name = "gpt_bigcode_mqa12"
+    results = pools(2).run(drafted_and_cached, saved(name), tokenizer_dir, 2, (4, 1))[0]
+    model = any_model(name, LAYERS)
+    words = [5, 6, 7, 8, 9, 10, 11, 12] * 3
+    for ids, n, result in [(words, 12, results[0]), (words, 12, results[1]), (words[:12] + [40, 41], 8, results[2])]:
+        x = torch.tensor([ids])
+        assert list(result.tokens) == generate(model, x, max_new_tokens=n)[0, len(ids):].tolist()
+    assert results[1].cached_tokens >= 16, "the second prompt's blocks came from the cache"
+    with torch.no_grad():
+        x = torch.tensor([words + list(results[0].tokens)])
+        expected = torch.log_softmax(model(x).logits[0].float(), -1)
+    for i, lp in enumerate(results[0].logprobs):
+        assert lp.logprob == pytest.approx(expected[len(words) - 1 + i, lp.id].item(), abs=1e-4)
