@@ -645,5 +645,5 @@ def test_a_device_side_assert_ends_the_server_in_one_line(model_dir, capsys):
     assert returned == [1], "the engine went on stepping after its GPU was lost"
     assert sorted((e.client, e.status) for e in events) == [("job0", 503), ("job1", 503)]
     said = [line for line in capsys.readouterr().err.splitlines() if "failed" in line]
-    assert said == ["autotp serve: tensor-parallel ranks failed, shutting down: the GPU can run nothing more, restart "
+    assert said == ["autotp serve: the model's ranks failed, shutting down: the GPU can run nothing more, restart "
                     "the server: AcceleratorError: CUDA error: device-side assert triggered"], said

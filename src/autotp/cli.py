@@ -504,7 +504,12 @@ def main(argv: list[str] | None = None) -> int:
             return command_line_error(str(e) if isinstance(e, AutotpError) else f"{type(e).__name__}: {e}")
     if starts_ranks:
         return launch(ranks_asked(args), argv)  # each rank runs this argv again, under WORLD_SIZE = --tp x --pp
-    from autotp import distributed  # torch: paid only once the flags are good (--help and flag errors are instant)
+    # torch: paid only once the flags are good (--help and flag errors are instant)
+    from autotp import distributed, hosts
+
+    if world is not None and args.command != "plan":
+        distributed.command_line_passed()
+        hosts.WATCH.begin()  # another host's failure at start-up ends this rank too, in seconds
 
     try:
         return args.func(args)

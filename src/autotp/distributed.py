@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401 - before any group exists: see _destroy_at_exit
 
+from autotp import hosts
 from autotp.errors import AutotpError
 from autotp.parallel.shm import PeerGone
 
@@ -159,54 +160,6 @@ def _rendezvous(rank: int, world: int, timeout: timedelta) -> dist.Store | None:
     return store
 
 
-def _address_of(interface: str) -> str | None:
-    """The IPv4 address of a network interface (SIOCGIFADDR), or None."""
-    import fcntl
-    import struct
-
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", interface[:15].encode()))
-        except OSError:
-            return None
-    return socket.inet_ntoa(packed[20:24])
-
-
-def route_to(addr: str) -> tuple[str, str] | None:
-    """(interface, its address) that this host reaches `addr` through, by the kernel's routing table (a UDP socket's
-    connect sends nothing); None where that is the loopback (one host) or cannot be told."""
-    import ipaddress
-
-    try:
-        target = socket.getaddrinfo(addr, None, socket.AF_INET, socket.SOCK_DGRAM)[0][4][0]
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((target, 9))
-            local = s.getsockname()[0]
-    except OSError:
-        return None
-    if ipaddress.ip_address(local).is_loopback:
-        return None
-    return next(((name, local) for _, name in socket.if_nameindex() if _address_of(name) == local), None)
-
-
-def choose_interface(local_rank: int | None) -> None:
-    """Across hosts, gloo binds the address its host's name resolves to, which on many machines is 127.0.1.1 or
-    127.0.0.1 (/etc/hosts), and then no other host can connect ("connectFullMesh ... Connection refused"). Where the
-    user set no GLOO_SOCKET_IFNAME, it is set to the interface that reaches MASTER_ADDR, and the first rank of each
-    host says which (NCCL_SOCKET_IFNAME likewise, for NCCL's own connections)."""
-    if os.environ.get("GLOO_SOCKET_IFNAME") or "MASTER_ADDR" not in os.environ:
-        return
-    found = route_to(os.environ["MASTER_ADDR"])
-    if found is None:
-        return
-    name, local = found
-    os.environ["GLOO_SOCKET_IFNAME"] = name
-    os.environ.setdefault("NCCL_SOCKET_IFNAME", name)
-    if not local_rank:
-        print(f"autotp: {socket.gethostname()} reaches MASTER_ADDR {os.environ['MASTER_ADDR']} through {name} "
-              f"({local}): the ranks use it (GLOO_SOCKET_IFNAME chooses another)", file=sys.stderr, flush=True)
-
-
 def init(device: str | torch.device | None = None, timeout_s: float | None = None) -> Dist:
     """Join (or reuse) the default process group described by the environment; the rank's GPU, if it has
     one, becomes the current CUDA device (object collectives and NCCL barriers use the current one)."""
@@ -231,7 +184,7 @@ def init(device: str | torch.device | None = None, timeout_s: float | None = Non
             if name not in os.environ:
                 raise AutotpError(f"WORLD_SIZE={world} but {name} is not set: launch with torchrun or deepspeed")
         timeout = timedelta(seconds=timeout_s or float(os.environ.get("AUTOTP_TIMEOUT", 600)))
-        choose_interface(local_rank)
+        hosts.choose_interface(local_rank)
         store = _rendezvous(rank, world, timeout)
         _PROCESS.hosts_store = store is not None and rank == 0
         kwargs = {} if store is None else dict(store=store, rank=rank, world_size=world)
@@ -363,6 +316,8 @@ def fail(message: str, code: int = 1, symptom: bool = False, rank_0_exited: bool
     message before it exits and takes the store with it.
     """
     me = rank()
+    if not symptom:  # the other hosts' ranks, which may wait for this one, stop and say why (hosts.py)
+        hosts.WATCH.post_failure(me, message)
     store = key = None
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -428,11 +383,31 @@ def _speaks(store, key: str, me: int, message: str, symptom: bool, wait_s: float
     return heard != message and not symptom
 
 
+def command_line_passed() -> None:
+    """Rank 0 read a good command line: a rank that failed on its own (another host's files, say) need not wait for
+    rank 0 to say the same (fail's COMMAND_LINE_WAIT_S) before it says its own."""
+    if rank() == 0 and (store := _launcher_store()) is not None:
+        try:
+            store.set(f"autotp/command-line/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/passed", "1")
+        except RuntimeError:
+            pass
+
+
 def _rank_0_said(store, key: str, me: int, wait_s: float) -> str | None:
-    """Rank 0's message for this failure, or None if it posted none within wait_s (or its store is gone);
-    rank 0 hears that this rank has read it. wait_s 0: only what it has posted already."""
-    if not _wait_for(store, [f"{key}/0"], wait_s):
-        return None
+    """Rank 0's message for this failure, or None if it posted none within wait_s (or its store is gone, or its
+    command line passed); rank 0 hears that this rank has read it. wait_s 0: only what it has posted already."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            if store.check([f"{key}/0"]):
+                break
+            if store.check([f"{key}/passed"]):
+                return None
+        except RuntimeError:
+            return None
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.05)
     try:
         theirs = store.get(f"{key}/0").decode()
         store.set(f"{key}/heard/{me}", "1")

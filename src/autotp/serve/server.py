@@ -22,7 +22,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 import autotp
-from autotp import distributed
+from autotp import distributed, hosts
 from autotp.context import context_limit
 from autotp.errors import AutotpError, one_line
 from autotp.hub import TOKENIZER_FILES, load_config, resolve_model_dir
@@ -179,6 +179,7 @@ def serve(model: str, model_id: str, opts: ServeOptions = ServeOptions()) -> int
     # collection over it took 135 ms (374k objects, demo model), a stall of every stream when one triggers.
     gc.collect()
     gc.freeze()
+    hosts.WATCH.stop()  # every rank is up: a host lost from now on is the engine's to answer (pipeline/liveness.py)
     stopping = StopFlag()
     stopped_by: list[int] = []  # after a hang-up the server exits 129, as a shell reports one
 

@@ -39,7 +39,7 @@ from autotp.serve.types import Event, Failed, Row, StopFlag, log
 
 HEARTBEAT_S = 0.5  # an idle engine sends an empty step this often, so a dead rank shows within seconds
 SHUTTING_DOWN = "the server is shutting down"
-LOST = "the tensor-parallel ranks failed while running this request; the server is exiting"
+LOST = "the model's ranks failed while running this request; the server is exiting"
 
 
 @dataclass
@@ -233,7 +233,7 @@ class Engine:
     def _lost(self, why: str) -> None:
         """Lockstep is lost (a rank died, a collective failed, a forward failed on some ranks only): every admitted
         request is answered 503 (run() then refuses the queued ones)."""
-        log(f"tensor-parallel ranks failed, shutting down: {why}")
+        log(f"the model's ranks failed, shutting down: {why}")
         events: list[Event] = [self.output.fail(r, 503, LOST) for r in list(self.scheduler.running.values())
                                if not r.status.finished]
         events += [Failed(e.client, e.index, 503, LOST) for e in self._take_pending()]

@@ -2,11 +2,12 @@
 
 gloo notices a peer whose process ended (its connections close), but not a host that lost power or whose link went
 down: a receive from it waits for the group's timeout, minutes. Here every rank adds 1 to a counter of its own every
-BEAT_S, through a store client of its own whose operations give up after LOST_S, reads everyone's, and calls
-`lost(line)` where
+BEAT_S, through a store client of its own, reads everyone's, and calls `lost(line)` where
 - a rank's counter has not moved for LOST_S: its host stopped, or the network to it did; the line names its stage,
   rank and host;
-- this rank cannot reach the store (MASTER_ADDR:MASTER_PORT) for LOST_S: the store's host, or the link to it, is gone;
+- this rank's own beat has not gone through for LOST_S: the store's host (MASTER_ADDR), or the link to it, is gone.
+  A second thread watches the first, because a store operation over a link that went down does not fail: it waits
+  for an answer with no deadline (TCPStore's timeout covers waiting for keys, not a reply that never comes);
 - a rank posted a fatal line (`fatal`): its forward failed where its stage's other ranks' did not, which leaves those
   waiting in a collective that will never end.
 `lost` answers what it can and ends the process: rank 0 answers every request 503 first.
@@ -41,11 +42,35 @@ class Liveness(threading.Thread):
 
     def __init__(self, rank: int, stages: Stages, tag: str, lost: Callable[[str], None]):
         super().__init__(name="autotp-liveness", daemon=True)
-        self.rank, self.stages, self.lost = rank, stages, lost
+        self.rank, self.stages, self.on_lost = rank, stages, lost
+        self.once = threading.Lock()
         self.prefix = f"{PREFIX}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{tag}"
         self.store = store_client(LOST_S)
         self.store.set(f"{self.prefix}/host/{rank}", socket.gethostname())
         self.armed = True
+        self.beaten = time.monotonic()  # when this rank's beat last went through
+        self.watcher = threading.Thread(target=self._watch_self, name="autotp-liveness-watch", daemon=True)
+
+    def start(self) -> None:
+        super().start()
+        self.watcher.start()
+
+    def _watch_self(self) -> None:
+        while self.armed:
+            time.sleep(BEAT_S)
+            silent = time.monotonic() - self.beaten
+            if silent > LOST_S and self.armed:
+                addr = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+                self.lost(f"rank {self.rank} has not reached the rendezvous store at {addr} for {silent:.0f} s: its "
+                          f"host, or the network to it, is gone")
+                return
+
+    def lost(self, line: str) -> None:
+        """on_lost(line), once, whichever thread finds it first (the other waits: the process is ending)."""
+        if self.once.acquire(blocking=False):
+            self.on_lost(line)
+        else:
+            time.sleep(3600)
 
     def who(self, rank: int) -> str:
         """'stage 1 (rank 2 on host-b)'."""
@@ -82,7 +107,7 @@ class Liveness(threading.Thread):
                     self.lost(f"rank {self.rank} lost the rendezvous store at {addr} (its host, or the network to "
                               f"it, is gone): {type(e).__name__}: {e}".splitlines()[0][:300])
                 return
-            now = time.monotonic()
+            now = self.beaten = time.monotonic()
             if fatal and self.armed:
                 self.lost(fatal)
                 return
