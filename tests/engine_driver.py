@@ -268,10 +268,10 @@ def step_collectives(model_dir: str, tokenizer_dir: str) -> dict | None:
 
 def run_on_pipeline(model_dir: str, tokenizer_dir: str, make_arrivals, pp: int, limits: Limits = ROOMY,
                     speculate: int = 0, pp_layers: tuple[int, ...] | None = None, block_size: int = 4,
-                    dtype: str | None = None) -> list | None:
+                    dtype: str | None = None, on_model=None) -> list | None:
     """A pool task, as `autotp serve --pp PP` runs it: every rank loads its stage of model_dir (tp = world / pp), rank
     0 drives make_arrivals() through the pipeline and returns each job's end event (with its streamed text); the
-    others follow their stage and return None."""
+    others follow their stage and return None. on_model(model): a test's change to each rank's stage once loaded."""
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
@@ -280,6 +280,8 @@ def run_on_pipeline(model_dir: str, tokenizer_dir: str, make_arrivals, pp: int, 
     from autotp.serve.pipeline.links import Links
 
     model = autotp.from_pretrained(model_dir, check_inputs=False, pp_size=pp, pp_layers=pp_layers, dtype=dtype)
+    if on_model is not None:  # a test's hook, before the start-up forward
+        on_model(model)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     stages, rank = model.autotp.stages, dist.get_rank()
     channel = Channel()
@@ -326,3 +328,31 @@ def drafted_and_cached(model_dir, tokenizer_dir, pp, pp_layers):
     limits = Limits(max_num_seqs=4, max_num_batched_tokens=32, kv_tokens=10_000)
     ended = run_on_pipeline(model_dir, tokenizer_dir, arrivals, pp, limits, 4, pp_layers)
     return None if ended is None else [e.result for e, _ in ended]
+
+
+def pipeline_failing(model_dir, tokenizer_dir, pp):
+    """A pool task: through pp stages, a short row, then a 40-token prompt in chunks of 16, the chunks following one
+    another into the pipeline; the last stage's forward of the prompt's second chunk raises on its ranks alike (as an
+    out-of-memory error would) while the third is on its way; a third row arrives later. Rank 0's end events."""
+    import torch.distributed as dist
+
+    long = [(7 * i) % 97 for i in range(40)]
+    seen = {"chunks": 0}
+
+    def raise_on_second_chunk(module, args, kwargs):
+        if kwargs.get("hidden_states", args[0] if args else None).shape[1] >= 12:
+            seen["chunks"] += 1
+            if seen["chunks"] == 2:
+                raise RuntimeError(f"out of memory on rank {dist.get_rank()}")
+
+    def hook(model) -> None:
+        stage = model.autotp_stage
+        if stage.last:
+            model.transformer.h[stage.span.start].register_forward_pre_hook(raise_on_second_chunk, with_kwargs=True)
+
+    def arrivals():
+        return {0: [job([5, 6, 7], 3, index=0)], 6: [job(long, 6, index=1)], 14: [job([8, 9], 8, index=2)]}
+
+    limits = Limits(max_num_seqs=4, max_num_batched_tokens=16, kv_tokens=10_000)
+    ended = run_on_pipeline(model_dir, tokenizer_dir, arrivals, pp, limits, on_model=hook)
+    return None if ended is None else [e for e, _ in ended]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 from checkpoints import word_tokenizer
-from engine_driver import drafted_and_cached, pipeline_rows, tokens_of
+from engine_driver import drafted_and_cached, pipeline_failing, pipeline_rows, tokens_of
 from families import MODELS, any_model
 from rows import LIMITS, SPEC, alone, prompts
 
@@ -122,3 +122,18 @@ def test_drafts_cached_prefixes_and_log_probabilities_go_through_the_pipeline(po
         expected = torch.log_softmax(model(x).logits[0].float(), -1)
     for i, lp in enumerate(results[0].logprobs):
         assert lp.logprob == pytest.approx(expected[len(words) - 1 + i, lp.id].item(), abs=1e-4)
+
+
+def test_a_chunk_that_fails_on_a_stage_fails_its_row_and_the_rest_go_on(pools, saved, tokenizer_dir):
+    """The last stage's forward of a long prompt's second chunk raises (its ranks alike) while the third chunk is
+    already in the pipeline: that row gets 500, and the server goes on (rows before and after get their tokens)."""
+    import torch
+
+    from autotp.generate import generate
+
+    name = "gpt_bigcode_mqa12"
+    short, failed, later = pools(2).run(pipeline_failing, saved(name), tokenizer_dir, 2)[0]
+    assert (failed.status, failed.message) == (500, "generation failed: RuntimeError: out of memory on rank 1")
+    model = any_model(name, LAYERS)
+    for ended, ids, n in [(short, [5, 6, 7], 3), (later, [8, 9], 8)]:
+        assert tokens_of(ended) == generate(model, torch.tensor([ids]), max_new_tokens=n)[0, len(ids):].tolist()

@@ -225,3 +225,30 @@ def test_a_pipeline_keeps_its_lanes_apart_and_even():
     ran(scheduler, second)
     ran(scheduler, third)
     assert {w.id for w in scheduler.schedule(StepStats(), lane=1).work} == lanes[1] | {5}
+
+
+def test_a_long_prompt_s_chunks_follow_one_another_into_the_pipeline():
+    """A prompt longer than a step's budget: its next chunk goes into the next step (of any lane) while the chunks
+    before it are out, so the stages compute it together; the chunk that reaches its end samples, and only then does
+    it wait for its step to come back. A failed chunk frees the request only once its later chunks are back."""
+    scheduler = Scheduler(BlockPool(64, 4), Limits(4, 16, 256), lanes=2)
+    scheduler.add(request(0, list(range(1, 41)), max_tokens=3))
+    steps = [scheduler.schedule(StepStats(), lane=i % 2) for i in range(4)]
+    assert [[(w.start, len(w.tokens), w.sample) for w in s.work] for s in steps] == [
+        [(0, 16, False)], [(16, 16, False)], [(32, 8, True)], []]
+    r = scheduler.running[0]
+    assert r.in_flight == 3 and r.computed == 0
+    ran(scheduler, steps[0])
+    assert r.computed == 16 and scheduler.schedule(StepStats(), lane=0).work == ()  # the sampling chunk is out
+    ran(scheduler, steps[1])
+    ran(scheduler, steps[2])
+    (w,) = scheduler.schedule(StepStats(), lane=0).work  # its lane: the first generated token, decoded
+    assert (w.start, w.tokens, w.sample) == (40, (0,), True)
+    scheduler.add(request(1, list(range(41, 81)), max_tokens=3))  # nothing of it cached
+    first, second = (scheduler.schedule(StepStats(), lane=1) for _ in range(2))
+    failed = scheduler.running[1]
+    failed.status = Status.FAILED  # the engine answered 500: the first chunk's forward failed
+    scheduler.update(first, ran=False)
+    assert 1 in scheduler.running and failed.in_flight == 1  # its second chunk is still out, writing its blocks
+    scheduler.update(second)
+    assert 1 not in scheduler.running and not scheduler.pool.match(failed.prompt, 9)  # freed, nothing of it cached

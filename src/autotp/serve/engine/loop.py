@@ -159,7 +159,7 @@ class Engine:
         """A step's result: its tokens into their rows and its requests back to the scheduler."""
         events: list[Event] = []
         if result.error:  # the forward failed on every rank alike
-            failed = [self.requests[w.id] for w in step.work if not self.requests[w.id].status.finished]
+            failed = [r for w in step.work if (r := self.requests.get(w.id)) is not None and not r.status.finished]
             log(f"a step of {len(step.work)} rows failed; they get 500 and the server goes on: {result.error}")
             self.pending += [self.output.fail(r, 500, f"generation failed: {result.error}") for r in failed]
             self.scheduler.update(step, ran=False)
@@ -167,8 +167,9 @@ class Engine:
             events = self.output.process(self.requests, result, stats)
             self.scheduler.update(step)
         for w in step.work:
-            if self.requests[w.id].status.finished:
-                self._forget(self.requests[w.id])
+            r = self.requests.get(w.id)
+            if r is not None and r.status.finished and not r.in_flight:  # (a prompt's later chunk may be out)
+                self._forget(r)
         return events
 
     def _intake(self, block: bool) -> None:

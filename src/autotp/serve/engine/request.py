@@ -47,9 +47,10 @@ class Request:
     blocks: list[int] = field(default_factory=list)  # its block table
     keys: list[Key] = field(default_factory=list)  # the cache keys of its first len(keys) blocks, full and cached
     computed: int = 0  # its first `computed` tokens have keys and values in its blocks
+    scheduled: int = 0  # its first `scheduled` tokens were handed out in steps (computed, or in flight)
     reserved: int = 0  # blocks it may still take (its whole life's were reserved at admission)
     cached: int = 0  # prompt tokens it found in the prefix cache at admission
-    in_flight: bool = False  # a step that computes its tokens has been handed out and not yet come back
+    in_flight: int = 0  # steps that compute its tokens handed out and not yet come back (several: prompt chunks)
     lane: int = 0  # the lane whose steps compute it (a pipeline keeps one step of each lane in flight)
     draft: tuple[int, ...] = ()  # the tokens it guesses follow its last one (lookup.py), fed after it this step
     history: object = None  # its prompt as a numpy array, made at its first draft (lookup.py searches it)

@@ -12,11 +12,14 @@ client request) is computing right now waits until they are cached, so that the 
 compute it once; rows of other requests never wait for one another. A decoding request may add a prompt-lookup
 draft (lookup.py) after its last token, every position scored, within the budget.
 
-More than one step may be in flight (a pipeline of P stages keeps P of them moving): a request whose step has not
-come back is not scheduled again, so each request is in at most one step, and `update` takes each step back by its
-requests' ids whenever it lands. So that P steps are in flight at all, the running requests are kept in P lanes (vLLM's
-virtual engines): the engine asks for each lane's step in turn, and a request admitted in a lane's step stays in it;
-a lane admits up to its share of the requests running and waiting, so the lanes stay even. Pure bookkeeping (no
+More than one step may be in flight (a pipeline of P stages keeps P of them moving), and `update` takes each step
+back by its requests' ids as it lands, in order. So that P steps are in flight at all, the running requests are kept
+in P lanes (vLLM's virtual engines): the engine asks for each lane's step in turn, and a request admitted in a lane's
+step stays in it; a lane admits up to its share of the requests running and waiting, so the lanes stay even. A
+request whose step has not come back waits, with one exception: a prompt's next chunk goes into the next step, of
+whichever lane, while its earlier chunks are still in flight (none of them samples, and every stage runs steps in
+order, so a chunk finds the keys and values of those before it written), so that the stages work on one long prompt
+at once instead of one after the other. Pure bookkeeping (no
 torch): the runners (runner/model_runner.py) do the work.
 """
 
@@ -79,13 +82,14 @@ class Scheduler:
         are in flight until `update`."""
         budget = self.limits.max_num_batched_tokens
         work, new = [], []
-        ready = [r for r in self.running.values() if not r.in_flight and r.lane == lane]
+        ready = [r for r in self.running.values() if (not r.in_flight and r.lane == lane)
+                 or (r.in_flight and r.scheduled < len(r.prompt))]  # a prompt's next chunk
         ready.sort(key=lambda r: r.computed < len(r.prompt))  # decoding first, then prompts, each in arrival order
         for r in ready:
-            n = min(r.num_tokens - r.computed, budget)
+            n = min(r.num_tokens - r.scheduled, budget)
             if n <= 0:
                 continue
-            r.draft = self._draft(r, budget - n) if n == 1 and r.output else ()
+            r.draft = self._draft(r, budget - n) if n == 1 and r.output and not r.in_flight else ()
             budget -= n + len(r.draft)
             work.append(self._work(r, n))
         share = -(-(len(self.running) + len(self.waiting)) // self.lanes)
@@ -97,14 +101,14 @@ class Scheduler:
             if copy is None:
                 break  # first come, first served: the head waits for room, nobody overtakes it
             r.lane, in_lane = lane, in_lane + 1
-            n = min(len(r.prompt) - r.computed, budget)
+            n = min(len(r.prompt) - r.scheduled, budget)
             budget -= n
             new.append(NewRequest(id=r.id, sampling=SamplingParams(r.row.temperature, r.row.top_p, r.row.top_k,
                                                                    r.row.seed),
                                   logprobs=r.row.logprobs, prompt=r.prompt if r.row.prompt_logprobs else ()))
             work.append(self._work(r, n, admitted=len(r.blocks), copy=copy))
         for w in work:
-            self.running[w.id].in_flight = True
+            self.running[w.id].in_flight += 1
         step = Step(new=tuple(new), work=tuple(work), finished=tuple(self.ended))
         self.ended.clear()
         return step
@@ -129,7 +133,7 @@ class Scheduler:
         self.pool.reserve(life)
         r.status, r.admitted = Status.RUNNING, time.monotonic()
         r.blocks, r.keys, r.reserved = [b for b, _ in hits], [k for _, k in hits], life
-        r.computed = r.cached = len(hits) * size + m
+        r.computed = r.scheduled = r.cached = len(hits) * size + m
         self.running[r.id] = r
         if not r.no_cache:
             stats.prefix_queried += len(prompt)
@@ -153,10 +157,11 @@ class Scheduler:
         return lookup.draft(np.concatenate((r.history, np.asarray(r.output, dtype=np.int64))), room)
 
     def _work(self, r: Request, n: int, admitted: int | None = None, copy: tuple[int, int] = (-1, 0)) -> Work:
-        """This step's entry for a request computing its tokens computed .. computed + n - 1 and its draft, taking
+        """This step's entry for a request computing its tokens scheduled .. scheduled + n - 1 and its draft, taking
         the blocks that needs; admitted: a new request, whose first `admitted` blocks (its cached prefix) are new to
         the runners too, and whose `copy` (block, m) fills the first m slots of the block after them."""
-        start, size = r.computed, self.pool.block_size
+        start, size = r.scheduled, self.pool.block_size
+        r.scheduled = start + n
         added = list(r.blocks) if admitted is not None else []
         while len(r.blocks) * size < start + n + len(r.draft):
             block = self.pool.take()
@@ -178,15 +183,17 @@ class Scheduler:
             r = self.running.get(w.id)
             if r is None:
                 continue
-            r.in_flight = False
-            if ran:
+            r.in_flight -= 1
+            if ran and r.status is not Status.FAILED:  # (an earlier chunk's forward failed: nothing of it is cached)
                 # every token but the newest has its keys and values now (the newest, sampled this step, has not)
                 r.computed = min(w.start + len(w.tokens), r.num_tokens - 1)
+                if not r.in_flight:  # a draft's rejected tokens are handed out again
+                    r.scheduled = r.computed
                 while (len(r.keys) + 1) * size <= r.computed:
                     i = len(r.keys)
                     parent = r.keys[-1] if r.keys else None
                     r.keys.append(self.pool.register(r.blocks[i], parent, r.span(i * size, (i + 1) * size)))
-            if r.status.finished or not ran:
+            if (r.status.finished or not ran) and not r.in_flight:  # a later chunk still out holds its blocks
                 self.free(r)
 
     def abort(self, r: Request, status: Status) -> None:

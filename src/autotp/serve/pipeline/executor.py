@@ -90,9 +90,12 @@ class Pipeline:
             finally:
                 self.watchdog.end()
         try:
-            self.links.send(raw, error, hidden)
+            self.links.send(raw, error, hidden, self._without(step))
         except Exception as e:
             raise LockstepLost(f"{self.liveness.who(self.stages.next_rank(0))} is gone: {one_line(e)}") from e
+
+    def _without(self, step: Step) -> tuple[int, ...]:
+        return tuple(w.id for w in step.work if w.id in self.runner.dropped)
 
     def collect(self) -> StepResult:
         """The oldest step's result, from the sampling rank."""
@@ -160,7 +163,7 @@ def follow_stage(runner, channel: Channel, links: Links, stages: Stages, rank: i
                 runner.fail(step)
             else:
                 try:
-                    out = runner.run(step, hop.hidden)
+                    out = runner.run(step, hop.hidden, hop.without)
                 except Exception as e:  # noqa: BLE001 - the stage's other ranks must have failed alike
                     error = one_line(e, 200)
                     watch.failed(forwards, error)
@@ -169,7 +172,7 @@ def follow_stage(runner, channel: Channel, links: Links, stages: Stages, rank: i
                                        f"did not: {error}")
                         raise
         if not last:
-            links.send(hop.raw, error, None if error else out)
+            links.send(hop.raw, error, None if error else out, tuple(w.id for w in step.work if w.id in runner.dropped))
         elif samples and step.runs:
             links.send_result(StepResult(error=error) if error else out)
         if not step.runs and stopping.is_set() and stopping.age() > STOP_GRACE_S and not step.finished:

@@ -45,6 +45,7 @@ class Hop(NamedTuple):
     raw: bytes  # the step as rank 0 pickled it
     error: str  # "" where every stage so far ran it
     hidden: torch.Tensor | None  # (tokens, hidden), on the CPU; None for a step that runs nothing or failed
+    without: tuple[int, ...] = ()  # requests whose tokens `hidden` leaves out (their forward failed before)
 
 
 EMPTY = object()  # Inbox.get: nothing arrived in time
@@ -82,10 +83,12 @@ class Links:
         while len(self.pending) > MAX_PENDING:
             self.pending.popleft()[0].wait()
 
-    def send(self, hop_raw: bytes, error: str = "", hidden: torch.Tensor | None = None) -> None:
-        """The step (as pickled bytes) to the next stage, with what this stage made of it."""
+    def send(self, hop_raw: bytes, error: str = "", hidden: torch.Tensor | None = None,
+             without: tuple[int, ...] = ()) -> None:
+        """The step (as pickled bytes) to the next stage, with what this stage made of it: the hidden states of its
+        requests but those `without` (their forward failed on this stage or one before)."""
         shape = None if hidden is None else (tuple(hidden.shape), str(hidden.dtype).removeprefix("torch."))
-        tensors = _frame(pickle.dumps((hop_raw, error, shape), protocol=pickle.HIGHEST_PROTOCOL))
+        tensors = _frame(pickle.dumps((hop_raw, error, shape, without), protocol=pickle.HIGHEST_PROTOCOL))
         if hidden is not None:
             tensors.append(hidden.detach().to("cpu").contiguous().view(-1).view(torch.uint8))
         self._post(self.next, tensors)
@@ -142,7 +145,7 @@ class Inbox(threading.Thread):
                     if result is None:  # the sampler stopped
                         return
                     continue
-                raw, error, shape = pickle.loads(payload)
+                raw, error, shape, without = pickle.loads(payload)
                 step = pickle.loads(raw)
                 hidden = None
                 if shape is not None:
@@ -152,7 +155,7 @@ class Inbox(threading.Thread):
                     for d in dims:
                         n *= d
                     hidden = self._recv(n).view(dtype).view(dims)
-                self.queue.put(Hop(step, raw, error, hidden))
+                self.queue.put(Hop(step, raw, error, hidden, without))
                 if step.stop:
                     return
         except Exception as e:  # noqa: BLE001 - the peer is gone: whoever reads the queue says so

@@ -51,6 +51,7 @@ class ModelRunner:
         self.implementation = Implementation(model)
         self.stage = getattr(model, "autotp_stage", None)  # a pipeline stage's hooks (parallel/stage_io.py), or None
         self.tables: dict[int, list[int]] = {}
+        self.dropped: set[int] = set()  # requests whose forward failed, until they end (`fail`)
         self.next_tokens = NextTokens(self.device) if samples else None
         self.graph: CompiledDecode | None = None  # compile()
         self.compiled: CompiledDecode | None = None  # the graph, once every rank has one (use_graph)
@@ -71,31 +72,51 @@ class ModelRunner:
         """The step's bookkeeping, before its forward: ended requests go, new ones come, tables grow, blocks copy."""
         for request in step.finished:
             self.tables.pop(request, None)
+            self.dropped.discard(request)
             if self.next_tokens is not None:
                 self.next_tokens.drop(request)
         if self.next_tokens is not None:
             for new in step.new:
                 self.next_tokens.add(new)
         for w in step.work:
-            self.tables.setdefault(w.id, []).extend(w.blocks)
+            if w.id not in self.dropped:
+                self.tables.setdefault(w.id, []).extend(w.blocks)
         copies = [w.copy for w in step.work if w.copy]
         if copies:  # before the forward: a block another request takes this step is written only by the forward
             self.pool.copy(copies)
 
-    def run(self, step: Step, received: torch.Tensor | None = None) -> StepResult | torch.Tensor | None:
+    def run(self, step: Step, received: torch.Tensor | None = None,
+            without: tuple[int, ...] = ()) -> StepResult | torch.Tensor | None:
         """The step's forward, then (on the rank that samples) its requests' next tokens; on a pipeline stage before
-        the last, the hidden states (tokens, hidden) it hands on. received: what the stage before handed on. Raises
-        what the forward raised, with its requests' tables already gone."""
+        the last, the hidden states (tokens, hidden) it hands on, of the requests `handed` gives. received: what the
+        stage before handed on, the step's tokens but those of the requests `without` (whose forward failed there).
+        Raises what the forward raised, with its requests' tables already gone."""
+        work = self.handed(step)
+        if not work:  # every request of it failed before (the step still ran on a stage where they had not)
+            return StepResult() if self.next_tokens is not None else None
+        if received is not None and len(work) + len(without) < len(step.work):  # failed here, not there: rows go
+            rows, at = [], 0
+            for w in step.work:
+                if w.id not in without:
+                    rows += range(at, at + len(w.tokens)) if w.id not in self.dropped else []
+                    at += len(w.tokens)
+            received = received[rows]
         try:
-            return self._run(step.work, received)
+            return self._run(work, received)
         except BaseException:
             self.fail(step)
             raise
 
+    def handed(self, step: Step) -> tuple[Work, ...]:
+        """The step's work this rank runs: a request whose forward failed is passed over until it ends (`fail`)."""
+        return tuple(w for w in step.work if w.id not in self.dropped)
+
     def fail(self, step: Step) -> None:
-        """The step's forward failed (here, or on a stage before this one): its requests' tables go."""
+        """The step's forward failed (here, or on a stage before this one): its requests' tables go, and a later chunk
+        of their prompts, in flight already (a pipeline's), is passed over until they end."""
         for w in step.work:
             self.tables.pop(w.id, None)
+            self.dropped.add(w.id)
 
     def _spans(self, work: tuple[Work, ...]) -> tuple[list[int], list[int], list[Span]]:
         """The step's flattened token ids, the positions the LM head keeps, and each request's span of them."""
