@@ -14,8 +14,8 @@ Per system and link rate:
 - decode tokens/s at concurrency 8 and 1: that many streamed completions of 64 tokens of short prompts at once,
   their tokens after each one's first over the time from the first of them to the last.
 And a table worked out on paper: StarCoder-15.5B (40 layers, hidden 6,144, bf16) on 2 hosts x 2 GPUs at 1, 10 and
-25 GbE, tp 4 across the hosts against pp 2 x tp 2: bytes on the link and its time per prompt token, and the trips
-across it per decoded token.
+25 GbE, tp 4 across the hosts against pp 2 x tp 2: bytes on the link and its time per prompt token, and the waits
+on it, one after the other, per decoded token.
 
     python benchmarks/pp_bench.py [--rates 100mbit 1gbit] [--systems tp2 pp2] [--run LABEL]
 
@@ -127,8 +127,9 @@ def on_paper() -> list[dict]:
 
     tp 4 across the hosts: 2 all-reduces per layer of the token's hidden state (6,144 x 2 bytes). A ring all-reduce
     over 4 ranks sends 2 (4 - 1) / 4 = 1.5 x its size along each edge, and two of the ring's edges cross between the
-    hosts: 1.5 x 12 KiB each way per all-reduce, and each of the 80 is 2 x 3 ring steps, 2 of them across the link.
-    pp 2 x tp 2: one hidden state per token crosses, once (stage 0 to stage 1), and the sampled tokens come back.
+    hosts, one each way: 1.5 x 12 KiB each way per all-reduce; its 2 (4 - 1) = 6 steps each wait on those edges, so a
+    decoded token waits on the link 80 x 6 times in turn. pp 2 x tp 2: one hidden state per token crosses, once
+    (stage 0 to stage 1), and the sampled tokens come back: 2 waits per decoded token.
     """
     layers, hidden, itemsize = 40, 6144, 2
     tp_bytes = layers * 2 * 1.5 * hidden * itemsize  # each way, per token
@@ -142,8 +143,8 @@ def on_paper() -> list[dict]:
                      "pp2tp2_ms_per_prompt_token": 1e3 * pp_bytes / per_s,
                      "tp4_s_per_2000_token_prompt": 2000 * tp_bytes / per_s,
                      "pp2tp2_s_per_2000_token_prompt": 2000 * pp_bytes / per_s,
-                     "tp4_link_crossings_per_decoded_token": layers * 2 * 2,
-                     "pp2tp2_link_crossings_per_decoded_token": 2})
+                     "tp4_link_waits_per_decoded_token": layers * 2 * 6,
+                     "pp2tp2_link_waits_per_decoded_token": 2})
     return rows
 
 
@@ -180,9 +181,9 @@ def main() -> int:
     for p in paper:
         print(f"{p['link_gbe']:>3} GbE: tp 4 {p['tp4_ms_per_prompt_token']:.3f} ms/prompt token "
               f"({p['tp4_s_per_2000_token_prompt']:.2f} s per 2,000), pp 2 x tp 2 "
-              f"{p['pp2tp2_ms_per_prompt_token']:.4f} ms ({p['pp2tp2_s_per_2000_token_prompt']:.3f} s); link "
-              f"crossings per decoded token {p['tp4_link_crossings_per_decoded_token']} vs "
-              f"{p['pp2tp2_link_crossings_per_decoded_token']}")
+              f"{p['pp2tp2_ms_per_prompt_token']:.4f} ms ({p['pp2tp2_s_per_2000_token_prompt']:.3f} s); waits on "
+              f"the link per decoded token {p['tp4_link_waits_per_decoded_token']} vs "
+              f"{p['pp2tp2_link_waits_per_decoded_token']}")
     data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"runs": {}}
     data["runs"][args.run] = {"prompt_tokens": len(ids), "decode_tokens": DECODE_TOKENS, "flags": FLAGS,
                               "rows": rows, "starcoder_on_paper": paper}

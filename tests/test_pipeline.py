@@ -8,6 +8,9 @@ resolved layout, before any weight is read.
 
 from __future__ import annotations
 
+import json
+import urllib.request
+
 import pytest
 from checkpoints import word_tokenizer
 from engine_driver import drafted_and_cached, pipeline_failing, pipeline_rows, tokens_of
@@ -137,3 +140,64 @@ def test_a_chunk_that_fails_on_a_stage_fails_its_row_and_the_rest_go_on(pools, s
     model = any_model(name, LAYERS)
     for ended, ids, n in [(short, [5, 6, 7], 3), (later, [8, 9], 8)]:
         assert tokens_of(ended) == generate(model, torch.tensor([ids]), max_new_tokens=n)[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("args, words", [
+    (["serve", "--pp", "2", "--compile"], ["--compile", "--pp 2", "leave out --compile"]),
+    (["serve", "--pp", "2", "--pp-layers", "1,1,2"], ["--pp-layers gives 3 stages (1,1,2) for --pp 2"]),
+    (["plan", "--tp", "1", "--pp", "5"], ["--pp 5 exceeds the model's 4 decoder layers"]),
+    (["plan", "--tp", "1", "--pp", "2", "--pp-layers", "1,2"], ["1,2", "sum to the model's 4 layers, not 3"]),
+    (["serve", "--pp", "2", "--pp-layers", "2,0"], ["every stage needs a layer at least"]),
+])
+def test_a_pipeline_that_cannot_be_is_refused_in_one_line_before_anything_starts(capsys, args, words):
+    from commands import cli
+
+    code, out, err = cli(capsys, *args)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert all(w in err for w in words), err
+
+
+def test_plan_shows_each_stage_s_layers_and_kv_bytes(capsys):
+    """The demo model (4 layers, 12 heads of 24, one K/V head, float32) at --tp 2 --pp 2, as `autotp plan` prints
+    it: each rank's stage, layers and bytes per cached token, the tied embedding read by the last stage's head."""
+    from commands import cli
+
+    code, out, err = cli(capsys, "plan", "--tp", "2", "--pp", "2", "--json")
+    assert code == 0, err
+    ranks = json.loads(out)["ranks"]
+    assert [(r["rank"], r["stage"], r["layers"]) for r in ranks] == [(0, 0, [0, 2]), (1, 0, [0, 2]), (2, 1, [2, 4]),
+                                                                      (3, 1, [2, 4])]
+    per_token = 2 * 2 * 1 * 24 * 4  # keys and values, 2 layers, its 1 K/V head of 24, float32
+    assert {r["kv_bytes_per_token"] for r in ranks} == {per_token}
+    names = [{t["name"] for t in r["tensors"]} for r in ranks]
+    assert "transformer.wte.weight" in names[0] and "lm_head.weight" not in names[0]
+    assert "lm_head.weight" in names[2] and "transformer.wte.weight" not in names[2]  # the tied weight, as the head's
+
+
+def test_serve_pp_2_on_one_host_answers_as_one_process_generates(tmp_path):
+    """A developer without two machines: `autotp serve --pp 2` on one host (its launcher starts both stages); a
+    greedy completion, whole and streamed, is the demo model's own, and the router's /server_info says pp_size 2."""
+    from serve_harness import Server
+
+    import autotp
+    from autotp.cli import default_model
+    from autotp.generate import generate
+    from autotp.tokenizer import load_tokenizer
+
+    server = Server(None, tmp_path / "serve.log", "--pp", "2", torchrun=False)
+    try:
+        whole = server.client.completions.create(model="autotp-demo", prompt="def fib(n):", max_tokens=16,
+                                                 temperature=0)
+        streamed = "".join(c.choices[0].text for c in server.client.completions.create(
+            model="autotp-demo", prompt="def fib(n):", max_tokens=16, temperature=0, stream=True) if c.choices)
+        with urllib.request.urlopen(server.url + "/get_server_info", timeout=10) as r:
+            info = json.loads(r.read())
+    finally:
+        server.kill()
+    tokenizer = load_tokenizer(default_model())
+    model = autotp.from_pretrained(default_model(), dtype="float32")
+    ids = tokenizer("def fib(n):", return_tensors="pt").input_ids
+    new = generate(model, ids, max_new_tokens=16)[0, ids.shape[1]:]
+    assert whole.choices[0].text == streamed == tokenizer.decode(new, skip_special_tokens=True)
+    assert (info["tp_size"], info["pp_size"]) == (1, 2)
+    assert "tp=1 pp=2" in server.text()

@@ -38,10 +38,12 @@ def plan_report(model: str, tp: int, dtype: str | None = None, quantize: str | N
     stages = Stages.split(pp, tp, num_layers, pp_layers) if pp > 1 else None
     ranks = []
     for stage in range(pp):
-        layout = p.layout if stages is None else cut((q := prepared()).model, q.layout, stages, stage)
+        q = p if stages is None else prepared()
+        layout = q.layout if stages is None else cut(q.model, q.layout, stages, stage)
         span = range(num_layers) if stages is None else stages.span(stage)
+        names = {n for n, _ in q.model.named_parameters(remove_duplicate=False)}  # the stage's (a tied head's)
         for tp_rank, h in enumerate(layout.heads):
-            ranks.append(_rank_entry(layout, tp_rank, h, stage * tp + tp_rank) | {
+            ranks.append(_rank_entry(layout, tp_rank, h, stage * tp + tp_rank, names) | {
                 "stage": stage, "layers": [span.start, span.stop],
                 "kv_bytes_per_token": 2 * len(span) * (h.kv_stop - h.kv_start) * plan.head_dim * p.dtype.itemsize})
     gptq = None if p.gptq is None else {"group_size": p.gptq.group_size, "version": p.gptq.version, "sym": p.gptq.sym}
@@ -51,11 +53,13 @@ def plan_report(model: str, tp: int, dtype: str | None = None, quantize: str | N
             "device": device_type, "num_heads": plan.num_heads, "num_kv_heads": plan.num_kv_heads, "ranks": ranks}
 
 
-def _rank_entry(layout, tp_rank: int, h, rank: int) -> dict:
-    """One rank's tensors (its slice of each, as its rank in the stage holds it) and their bytes."""
+def _rank_entry(layout, tp_rank: int, h, rank: int, present: set[str]) -> dict:
+    """One rank's tensors (its slice of each, as its rank in the stage holds it) and their bytes, each by the names
+    its module has there (`present`: on a pipeline's last stage a tied embedding is the LM head's weight alone)."""
     tensors = []
     for t in layout.params.values():
-        tensor = {"name": t.name, "tied": list(t.aliases), "shape": list(t.shape),
+        name, *tied = [n for n in (t.name, *t.aliases) if n in present]
+        tensor = {"name": name, "tied": tied, "shape": list(t.shape),
                   "holds": t.shards[tp_rank].describe(len(t.shape)), "local_shape": list(t.local_shape(tp_rank)),
                   "bytes": t.nbytes(tp_rank),
                   "stored": t.quant.quant.kind if t.quant else str(t.dtype).removeprefix("torch.")}
