@@ -14,7 +14,7 @@ from autotp.cli import main
 autotp.serve.lockstep.watchdog.GRACE_S = 1.0
 
 if os.environ.get("RANK") == os.environ["AUTOTP_TEST_FAIL_RANK"]:
-    def out_of_memory(self, step):
+    def out_of_memory(self, *args):
         raise RuntimeError(f"CUDA out of memory on rank {os.environ['RANK']} (injected)")
 
     autotp.serve.runner.model_runner.ModelRunner._run = out_of_memory

@@ -174,6 +174,7 @@ def test_plan_shows_each_stage_s_layers_and_kv_bytes(capsys):
     assert "lm_head.weight" in names[2] and "transformer.wte.weight" not in names[2]  # the tied weight, as the head's
 
 
+@pytest.mark.slow
 def test_serve_pp_2_on_one_host_answers_as_one_process_generates(tmp_path):
     """A developer without two machines: `autotp serve --pp 2` on one host (its launcher starts both stages); a
     greedy completion, whole and streamed, is the demo model's own, and the router's /server_info says pp_size 2."""

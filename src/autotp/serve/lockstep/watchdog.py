@@ -49,10 +49,14 @@ class Watch:
 
     def __init__(self, rank: int, tp: int, tag: str, ranks: range | None = None):
         self.rank, self.tp, self.tag = rank, tp, tag
-        self.ranks = range(tp) if ranks is None else ranks  # whose notes count: every rank, or a pipeline stage's
+        self.stage = ranks  # whose notes count: a pipeline stage's ranks, or (None) every rank
         self.store = dist.distributed_c10d._get_default_store() if tp > 1 else None
         if self.store is not None:  # so that rank 0 can name a rank that died where gloo's error does not
             self.store.set(f"{PREFIX}/{tag}/pid/{rank}", f"{socket.gethostname()} {os.getpid()}")
+
+    @property
+    def ranks(self) -> range:
+        return range(self.tp) if self.stage is None else self.stage
 
     def died(self, e: BaseException, doing: str) -> str | None:
         """One line for a failure that is another rank's exit, naming it and what the ranks were `doing`; None
