@@ -268,7 +268,7 @@ def step_collectives(model_dir: str, tokenizer_dir: str) -> dict | None:
 
 def run_on_pipeline(model_dir: str, tokenizer_dir: str, make_arrivals, pp: int, limits: Limits = ROOMY,
                     speculate: int = 0, pp_layers: tuple[int, ...] | None = None, block_size: int = 4,
-                    dtype: str | None = None, on_model=None) -> list | None:
+                    dtype: str | None = None, on_model=None, device: str | None = None) -> list | None:
     """A pool task, as `autotp serve --pp PP` runs it: every rank loads its stage of model_dir (tp = world / pp), rank
     0 drives make_arrivals() through the pipeline and returns each job's end event (with its streamed text); the
     others follow their stage and return None. on_model(model): a test's change to each rank's stage once loaded."""
@@ -279,7 +279,8 @@ def run_on_pipeline(model_dir: str, tokenizer_dir: str, make_arrivals, pp: int, 
     from autotp.serve.pipeline.executor import Pipeline, follow_stage
     from autotp.serve.pipeline.links import Links
 
-    model = autotp.from_pretrained(model_dir, check_inputs=False, pp_size=pp, pp_layers=pp_layers, dtype=dtype)
+    model = autotp.from_pretrained(model_dir, check_inputs=False, pp_size=pp, pp_layers=pp_layers, dtype=dtype,
+                                   device=device)
     if on_model is not None:  # a test's hook, before the start-up forward
         on_model(model)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)

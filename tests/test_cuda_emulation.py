@@ -204,6 +204,42 @@ def test_the_serve_engine_at_tp_2_gives_cpus_tokens_on_emulated_cuda(pools):
     assert cuda[1] is None and same_events(cuda[0], cpu[0])
 
 
+def pipeline_events(emulate: bool) -> list | None:
+    """The engine through a pipeline of 2 stages of the demo model (one rank each), on this rank: greedy rows with
+    log-probabilities, a sampled one, a row joining midway, drafts. Rank 0's end events (None on the other)."""
+    from engine_driver import job, run_on_pipeline
+
+    from autotp.cli import default_model
+    from autotp.serve.engine.scheduler import Limits
+    from autotp.serve.types import Finished
+
+    with emulated_cuda() if emulate else contextlib.nullcontext():
+        from transformers import AutoTokenizer
+
+        prompt = AutoTokenizer.from_pretrained(default_model())(SOURCE).input_ids
+
+        def arrivals() -> dict:
+            return {0: [job(prompt, 12, index=0, logprobs=2), job(prompt[:5], 10, temperature=0.8, seed=3, index=1)],
+                    2: [job([5, 6, 7], 8, index=2)]}
+
+        ended = run_on_pipeline(default_model(), default_model(), arrivals, 2, Limits(16, 32, 4096), speculate=4,
+                                block_size=16, device="cuda" if emulate else "cpu")
+    if ended is None:
+        return None
+    return [(type(e).__name__, e.result.tokens if isinstance(e, Finished) else e.message,
+             [lp.logprob for lp in e.result.logprobs] if isinstance(e, Finished) else []) for e, _ in ended]
+
+
+def test_a_pipeline_of_two_stages_gives_cpus_tokens_on_emulated_cuda(pools):
+    """The hidden states cross between stages through host memory (gloo): the stage that receives them puts them on
+    its GPU before its layers read them (a CPU tensor there is what the emulation catches)."""
+    cpu = pools(2).run(pipeline_events, False, timeout=120)
+    assert cpu[1] is None and [e[0] for e in cpu[0]] == ["Finished"] * 3
+    cuda = pools(2).run(pipeline_events, True, timeout=120)
+    assert cuda[1] is None and [e[:2] for e in cuda[0]] == [e[:2] for e in cpu[0]]
+    assert all(g[2] == pytest.approx(w[2], abs=1e-4) for g, w in zip(cuda[0], cpu[0], strict=True))
+
+
 def test_int8_takes_its_cuda_branch_and_gives_the_same_arithmetics_tokens(monkeypatch):
     """--quantize int8 on CUDA dequantizes into the matmul (weights.py): its tokens are CPU's when CPU does the
     same arithmetic (the dequantizing path at every row count); the CUDA branch ran (no int8 kernel call)."""

@@ -101,6 +101,8 @@ class ModelRunner:
                     rows += range(at, at + len(w.tokens)) if w.id not in self.dropped else []
                     at += len(w.tokens)
             received = received[rows]
+        if received is not None:  # it crossed through host memory (links.py): onto this rank's device, queued
+            received = received.to(self.device, non_blocking=True)
         try:
             return self._run(work, received)
         except BaseException:
