@@ -142,6 +142,30 @@ def test_a_chunk_that_fails_on_a_stage_fails_its_row_and_the_rest_go_on(pools, s
         assert tokens_of(ended) == generate(model, torch.tensor([ids]), max_new_tokens=n)[0, len(ids):].tolist()
 
 
+def generate_on_a_stage(model_dir: str) -> str:
+    """A pool task, as a user's script would try it: load with pp_size=2 and call HF generate on what comes back.
+    What each rank's generate raised."""
+    import torch
+
+    import autotp
+
+    model = autotp.from_pretrained(model_dir, pp_size=2)
+    try:
+        model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False)
+    except AutotpError as e:
+        return str(e)
+    return "generate returned"
+
+
+def test_hf_generate_on_one_stage_is_refused_on_every_rank_without_a_hang(pools, saved):
+    """A stage holds part of the layers (the rest are stubs): its forward alone would return made-up logits, so a
+    user's generate on it is refused at once on each rank, before any collective, naming the stage and the engine."""
+    said = pools(2).run(generate_on_a_stage, saved("gpt_bigcode_mqa12"), timeout=120)
+    assert said[0].startswith("this model is stage 0 of a 2-stage pipeline (layers 0-2)"), said
+    assert said[1].startswith("this model is stage 1 of a 2-stage pipeline (layers 3-4)"), said
+    assert all("only autotp serve's engine runs its forward" in s for s in said), said
+
+
 @pytest.mark.parametrize("args, words", [
     (["serve", "--pp", "2", "--compile"], ["--compile", "--pp 2", "leave out --compile"]),
     (["serve", "--pp", "2", "--pp-layers", "1,1,2"], ["--pp-layers gives 3 stages (1,1,2) for --pp 2"]),
