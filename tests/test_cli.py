@@ -68,6 +68,20 @@ def test_generate_with_a_tokenizer_prints_text(tmp_path, checkpoint):
     assert len(result["output_ids"][0]) == 3 + 8 and len(result["text"].split()) == 8
 
 
+@pytest.mark.parametrize("extra", [[], ["--num-beams", "2"]])
+def test_generate_prints_the_prompt_and_its_completion_on_one_line_with_or_without_beams(capsys, extra):
+    """What a user runs in a terminal: the prompt, then its completion (streamed, or at the end for beam search,
+    which HF's streamer refuses), then one newline; the completion is the one --json reports."""
+    from commands import cli
+
+    args = ["generate", "--prompt", "def add(a, b):", "--max-new-tokens", "6", *extra]
+    code, shown, err = cli(capsys, *args)
+    assert code == 0, err
+    code, out, err = cli(capsys, *args, "--json")
+    assert code == 0, err
+    assert shown == "def add(a, b):" + json.loads(out)["text"] + "\n"
+
+
 @pytest.mark.parametrize("args, message", [
     (["--input-ids", "1,2,3", "--max-new-tokens", "62"],
      "prompt of 3 tokens + 62 new tokens exceeds the model's context of 64 positions"),

@@ -169,6 +169,8 @@ def cmd_generate(args) -> int:
 
     echo = text is not None and args.prompt is not None and not args.json and args.suffix is None
     do_sample = args.do_sample and sampling.temperature > 0  # below sampling.GREEDY_BELOW: greedy, as served
+    # the text streams as it comes, but HF's streamer refuses beam search: beams print their text at the end
+    streamed = not args.json and tokenizer is not None and args.num_beams == 1
     if args.pp > 1:  # the stages run through the serving engine (serve/offline.py)
         from autotp.serve import offline
 
@@ -188,20 +190,22 @@ def cmd_generate(args) -> int:
         out = generate(model, ids, max_new_tokens=args.max_new_tokens, do_sample=do_sample,
                        temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                        num_beams=args.num_beams, seed=args.seed, tokenizer=tokenizer,
-                       stream=not args.json and tokenizer is not None, max_model_len=args.max_model_len,
+                       stream=streamed, max_model_len=args.max_model_len,
                        compile=args.compile)
     if out is None:  # a rank of a later stage: rank 0 prints
         return 0
     new = out[0, ids.shape[-1]:]
-    if args.json:
-        from autotp.serve.engine.text import added_text  # with the prompt as left context, as the server decodes it
+    from autotp.serve.engine.text import added_text  # with the prompt as left context, as the server decodes it
 
-        completion = added_text(tokenizer, ids[0].tolist(), new.tolist()) if tokenizer is not None else None
+    completion = added_text(tokenizer, ids[0].tolist(), new.tolist()) if tokenizer is not None else None
+    if args.json:
         distributed.print0(json.dumps({"output_ids": out.tolist(), "text": completion}))
     elif tokenizer is None:
         distributed.print0(",".join(str(t) for t in out[0].tolist()))
-    else:
+    elif args.pp > 1:  # the engine's pieces streamed: end their line
         distributed.print0()
+    elif not streamed:  # HF's streamer ends its own line
+        distributed.print0(completion)
     return 0
 
 
