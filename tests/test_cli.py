@@ -86,6 +86,9 @@ def test_generate_prints_the_prompt_and_its_completion_on_one_line_with_or_witho
     (["--input-ids", "1,2,3", "--max-new-tokens", "62"],
      "prompt of 3 tokens + 62 new tokens exceeds the model's context of 64 positions"),
     (["--prompt", "w1 w2"], "cannot load a tokenizer from"),
+    # found before the process group forms, on every rank alike (rank 1 once said them too, as its own)
+    (["--prompt", "w1", "--input-ids", "1,2,3"], "give exactly one of --prompt and --input-ids"),
+    (["--input-ids", "1,2,3", "--top-p", "2"], "--top-p must be in (0, 1], got 2.0"),
 ])
 def test_generate_errors_are_one_line_from_rank_0(checkpoint, args, message):
     model_dir, _ = checkpoint("mqa12")

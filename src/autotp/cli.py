@@ -512,7 +512,6 @@ def main(argv: list[str] | None = None) -> int:
     from autotp import distributed, hosts
 
     if world is not None and args.command != "plan":
-        distributed.command_line_passed()
         hosts.WATCH.begin()  # another host's failure at start-up ends this rank too, in seconds
 
     try:

@@ -166,6 +166,8 @@ def init(device: str | torch.device | None = None, timeout_s: float | None = Non
     _PROCESS.joining = True
     local_rank = _env_int("LOCAL_RANK", None)
     existing = dist.is_initialized()
+    if not existing and _env_int("RANK", 0) == 0:
+        _checks_passed()
     if existing:
         rank, world = dist.get_rank(), dist.get_world_size()
         bound = getattr(dist.distributed_c10d._get_default_group(), "bound_device_id", None)
@@ -383,10 +385,11 @@ def _speaks(store, key: str, me: int, message: str, symptom: bool, wait_s: float
     return heard != message and not symptom
 
 
-def command_line_passed() -> None:
-    """Rank 0 read a good command line: a rank that failed on its own (another host's files, say) need not wait for
-    rank 0 to say the same (fail's COMMAND_LINE_WAIT_S) before it says its own."""
-    if rank() == 0 and (store := _launcher_store()) is not None:
+def _checks_passed() -> None:
+    """Rank 0 reached init(): its command line and every check before the group passed, so a rank that failed before
+    init on its own (another host's files, say) need not wait for rank 0 to say the same (fail's COMMAND_LINE_WAIT_S)
+    before it says its own. Posted no sooner: a check that fails alike on every rank is rank 0's to say."""
+    if (store := _launcher_store()) is not None:
         try:
             store.set(f"autotp/command-line/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/passed", "1")
         except RuntimeError:
@@ -394,8 +397,8 @@ def command_line_passed() -> None:
 
 
 def _rank_0_said(store, key: str, me: int, wait_s: float) -> str | None:
-    """Rank 0's message for this failure, or None if it posted none within wait_s (or its store is gone, or its
-    command line passed); rank 0 hears that this rank has read it. wait_s 0: only what it has posted already."""
+    """Rank 0's message for this failure, or None if it posted none within wait_s (or its store is gone, or it reached
+    init: _checks_passed); rank 0 hears that this rank has read it. wait_s 0: only what it has posted already."""
     deadline = time.monotonic() + wait_s
     while True:
         try:
