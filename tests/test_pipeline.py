@@ -181,6 +181,21 @@ def test_a_pipeline_that_cannot_be_is_refused_in_one_line_before_anything_starts
     assert all(w in err for w in words), err
 
 
+def test_generate_pp_prints_what_one_process_prints_and_a_split_that_cannot_be_prints_no_prompt():
+    """`autotp generate --pp N` as a user types it: the same screen as without --pp (the prompt, its greedy
+    completion, one newline); a split the model cannot take is one line on stderr, with no prompt echoed before it."""
+    from commands import autotp, error_lines
+
+    prompt = ["--prompt", "def add(a, b):", "--max-new-tokens", "6"]
+    one, piped = autotp("generate", *prompt), autotp("generate", "--pp", "2", *prompt)
+    assert one.returncode == 0 and piped.returncode == 0, piped.stderr
+    assert piped.stdout == one.stdout and piped.stdout.startswith("def add(a, b):"), (piped.stdout, one.stdout)
+    bad = autotp("generate", "--pp", "5", *prompt)
+    assert bad.returncode == 2 and bad.stdout == "", bad.stdout
+    assert error_lines(bad.stderr) == ["autotp: error: --pp 5 exceeds the model's 4 decoder layers: each stage holds "
+                                       "one at least"], bad.stderr
+
+
 def test_plan_shows_each_stage_s_layers_and_kv_bytes(capsys):
     """The demo model (4 layers, 12 heads of 24, one K/V head, float32) at --tp 2 --pp 2, as `autotp plan` prints
     it: each rank's stage, layers and bytes per cached token, the tied embedding read by the last stage's head."""

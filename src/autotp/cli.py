@@ -174,13 +174,21 @@ def cmd_generate(args) -> int:
     if args.pp > 1:  # the stages run through the serving engine (serve/offline.py)
         from autotp.serve import offline
 
-        if echo:
-            distributed.print0(args.prompt, end="")
-        streams = not args.json and tokenizer is not None
+        echoed = not echo  # the prompt goes out with the first piece: a stage that cannot load says so alone
+
+        def show(piece: str) -> None:
+            nonlocal echoed
+            if not echoed:
+                print(args.prompt, end="")
+                echoed = True
+            print(piece, end="", flush=True)
+
         new = offline.generate(model_dir, ids[0].tolist(), tokenizer, args.max_new_tokens,
                                sampling.temperature if do_sample else 0.0, sampling.top_p, sampling.top_k, args.seed,
                                args.pp, args.pp_layers, args.dtype, args.device, args.quantize, args.group_size,
-                               (lambda piece: print(piece, end="", flush=True)) if streams else None)
+                               show if not args.json and tokenizer is not None else None)
+        if new is not None and not echoed:  # no piece had text
+            show("")
         out = None if new is None else torch.cat([ids, torch.tensor([new])], dim=1)
     else:
         model = autotp.from_pretrained(model_dir, dtype=args.dtype, device=args.device, quantize=args.quantize,
