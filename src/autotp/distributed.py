@@ -327,7 +327,7 @@ def fail(message: str, code: int = 1, symptom: bool = False, rank_0_exited: bool
         key = f"autotp/failure/{attempt}/{_PROCESS.failures}"
         _PROCESS.failures += 1
         speak = _speaks(store, key, me, message, symptom, 0 if rank_0_exited else FAILURE_WAIT_S)
-    elif not _PROCESS.joining and (store := _launcher_store()) is not None:
+    elif not _PROCESS.joining and (store := hosts.launcher_store(FAILURE_WAIT_S)) is not None:
         key = f"autotp/command-line/{attempt}"
         speak = _speaks(store, key, me, message, symptom, COMMAND_LINE_WAIT_S)
     else:
@@ -343,18 +343,6 @@ def fail(message: str, code: int = 1, symptom: bool = False, rank_0_exited: bool
         if _PROCESS.hosts_store:
             _wait_for(store, [f"{key}/heard/{r}" for r in range(1, dist.get_world_size())])
     return code
-
-
-def _launcher_store():
-    """A client of torchrun's own store, which its agent hosts at MASTER_ADDR:MASTER_PORT for the whole run
-    (TORCHELASTIC_USE_AGENT_STORE), or None: not under torchrun with more than one rank, or unreachable."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or int(os.environ.get("WORLD_SIZE", "1")) < 2:
-        return None
-    try:
-        return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                             timeout=timedelta(seconds=FAILURE_WAIT_S))
-    except (KeyError, ValueError, RuntimeError):
-        return None
 
 
 def exited_rank(e: BaseException) -> PeerGone | None:
@@ -389,7 +377,7 @@ def _checks_passed() -> None:
     """Rank 0 reached init(): its command line and every check before the group passed, so a rank that failed before
     init on its own (another host's files, say) need not wait for rank 0 to say the same (fail's COMMAND_LINE_WAIT_S)
     before it says its own. Posted no sooner: a check that fails alike on every rank is rank 0's to say."""
-    if (store := _launcher_store()) is not None:
+    if (store := hosts.launcher_store(FAILURE_WAIT_S)) is not None:
         try:
             store.set(f"autotp/command-line/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/passed", "1")
         except RuntimeError:

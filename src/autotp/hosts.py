@@ -72,8 +72,9 @@ def choose_interface(local_rank: int | None) -> None:
               f"({local}): the ranks use it (GLOO_SOCKET_IFNAME chooses another)", file=sys.stderr, flush=True)
 
 
-def _store(timeout_s: float):
-    """A client of torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE: it lives as long as the launch), or None."""
+def launcher_store(timeout_s: float):
+    """A client of torchrun's own store, which its agent hosts at MASTER_ADDR:MASTER_PORT for the whole launch
+    (TORCHELASTIC_USE_AGENT_STORE), or None: not under torchrun with more than one rank, or unreachable."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or int(os.environ.get("WORLD_SIZE", "1")) < 2:
         return None
     try:
@@ -96,7 +97,7 @@ class StartupWatch:
         self.failing = False  # this process is saying its own failure (distributed.fail)
 
     def begin(self) -> None:
-        if not self.armed and _store(2.0) is not None:
+        if not self.armed and launcher_store(2.0) is not None:
             self.armed = True
             threading.Thread(target=self.run, name="autotp-startup-watch", daemon=True).start()
 
@@ -106,7 +107,7 @@ class StartupWatch:
     def post_failure(self, rank: int, message: str) -> None:
         """This rank failed: the first failure posted is what the other hosts say."""
         self.failing = True
-        store = _store(2.0)
+        store = launcher_store(2.0)
         if store is None:
             return
         try:
@@ -115,7 +116,7 @@ class StartupWatch:
             pass
 
     def run(self) -> None:
-        store, here = _store(2.0), socket.gethostname()
+        store, here = launcher_store(2.0), socket.gethostname()
         while self.armed:
             time.sleep(POLL_S)
             try:
