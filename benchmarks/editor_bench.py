@@ -29,6 +29,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from common import write_json
@@ -71,8 +72,9 @@ async def request(client, model: str, prompt: str, max_tokens: int, record: dict
         await stream.close()
 
 
-async def editor(client, model: str, text: str, cursor: int, bursts: int, max_tokens: int, rng: random.Random
-                 ) -> list[dict]:
+async def typist(cursor: int, bursts: int, rng: random.Random, ask: Callable[[int, dict], Awaitable]) -> list[dict]:
+    """The typing schedule: `bursts` times, a burst of keystrokes, then a pause into which, DEBOUNCE_S in, ask(cursor,
+    record) is sent; the next keystroke cancels it (its record's "typed_at"). Each request's record, in order."""
     records: list[dict] = []
     running: asyncio.Task | None = None
     for _ in range(bursts):
@@ -86,13 +88,19 @@ async def editor(client, model: str, text: str, cursor: int, bursts: int, max_to
         pause = rng.uniform(*PAUSE_S)
         await asyncio.sleep(DEBOUNCE_S)
         records.append({})
-        running = asyncio.create_task(request(client, model, text[:cursor], max_tokens, records[-1]))
+        running = asyncio.create_task(ask(cursor, records[-1]))
         await asyncio.sleep(pause - DEBOUNCE_S)
     if running is not None:
         records[-1]["typed_at"] = time.monotonic()
         running.cancel()
     await asyncio.gather(running, return_exceptions=True)
     return records
+
+
+async def editor(client, model: str, text: str, cursor: int, bursts: int, max_tokens: int, rng: random.Random
+                 ) -> list[dict]:
+    return await typist(cursor, bursts, rng,
+                        lambda at, record: request(client, model, text[:at], max_tokens, record))
 
 
 def quantile(values: list[float], q: float) -> float:

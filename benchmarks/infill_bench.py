@@ -42,7 +42,7 @@ import urllib.parse
 from pathlib import Path
 
 from common import write_json
-from editor_bench import CHAR_S, DEBOUNCE_S, PAUSE_S, quantile, source
+from editor_bench import quantile, source, typist
 from llama_bench import SRC, gguf, start_llama
 from servers import cpus, model_path, start, stop
 
@@ -145,9 +145,6 @@ async def post(url: str, payload: dict, record: dict | None = None) -> str:
 async def editor(url: str, model: str, i: int, bursts: int, rng: random.Random) -> list[dict]:
     route, _, (n_prefix, n_suffix, chunk) = SYSTEMS[model]
     text, extra = source(i), ring(i, chunk)
-    cursor = len(text) // 3
-    records: list[dict] = []
-    running: asyncio.Task | None = None
     stopped = asyncio.Event()
 
     async def prepare() -> None:  # the ring's files, computed ahead every second
@@ -155,7 +152,7 @@ async def editor(url: str, model: str, i: int, bursts: int, rng: random.Random) 
             await post(url + route, body(route, extra, "", "", "", n_predict=0, response_fields=[""]))
             await asyncio.sleep(PREPARE_S)
 
-    async def complete(record: dict) -> None:
+    async def complete(cursor: int, record: dict) -> None:
         prefix, suffix, prompt = windows(text, cursor, n_prefix, n_suffix)
         try:
             shown = await post(url + route, body(route, extra, prefix, suffix, prompt), record)
@@ -165,24 +162,9 @@ async def editor(url: str, model: str, i: int, bursts: int, rng: random.Random) 
             record["error"] = str(e)
 
     warming = asyncio.create_task(prepare())
-    for _ in range(bursts):
-        for _ in range(rng.randint(1, 4)):  # a burst: the running request is dropped at its first keystroke
-            if running is not None:
-                running.cancel()
-                records[-1]["typed_at"] = time.monotonic()
-                running = None
-            cursor += 1
-            await asyncio.sleep(CHAR_S)
-        pause = rng.uniform(*PAUSE_S)
-        await asyncio.sleep(DEBOUNCE_S)
-        records.append({})
-        running = asyncio.create_task(complete(records[-1]))
-        await asyncio.sleep(pause - DEBOUNCE_S)
-    if running is not None:
-        records[-1]["typed_at"] = time.monotonic()
-        running.cancel()
+    records = await typist(len(text) // 3, bursts, rng, complete)
     stopped.set()
-    await asyncio.gather(running, warming, return_exceptions=True)
+    await asyncio.gather(warming, return_exceptions=True)
     return records
 
 
