@@ -38,6 +38,7 @@ from servers import smollm2
 
 ROOT = Path(__file__).parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
+from health import healthy  # noqa: E402
 from netns import Hosts, available  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "pp_bench.json"
@@ -58,15 +59,9 @@ def serve(hosts: Hosts, system: str, model: Path, logs: Path) -> tuple[list, str
                 "--allowed-hosts", "*", *FLAGS, *SYSTEMS[system]]
         procs.append(hosts.run(i, argv, logs / f"{system}-host{i}.log", env={"OMP_NUM_THREADS": "1"}))
     url = f"http://{hosts.addr(0)}:{http}"
-    deadline = time.monotonic() + 600
-    while True:
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5):
-                return procs, url
-        except OSError:
-            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-                raise RuntimeError((logs / f"{system}-host0.log").read_text()[-3000:]) from None
-            time.sleep(0.5)
+    if not healthy(url, 600, procs, every_s=0.5):
+        raise RuntimeError((logs / f"{system}-host0.log").read_text()[-3000:])
+    return procs, url
 
 
 def stream(url: str, model: str, prompt, max_tokens: int) -> dict:

@@ -1,6 +1,6 @@
 """`autotp serve --pp PP` on checkpoints in turn, as one host's part of a torchrun across (simulated) hosts: for each,
 `autotp.cli.main(["serve", ...])` as `python -m autotp serve` runs it, while a thread on rank 0 (on the first host)
-asks it, then signals rank 0 to stop, as an operator's SIGTERM would. Rank 0 writes OUT/NAME.json =
+asks it, then signals rank 0 to stop, as an operator's SIGTERM would (serve_each.py). Rank 0 writes OUT/NAME.json =
 {"code", "answers", "stderr"}; the answers:
 - "cold": PROMPT, greedy, 12 tokens, with each token's log-probability (OpenAI's /v1/completions);
 - "again": the same prompt again through llama-server's /completion, its blocks from the prefix cache (cache_n);
@@ -11,34 +11,22 @@ asks it, then signals rank 0 to stop, as an operator's SIGTERM would. Rank 0 wri
     torchrun --nnodes H ... hosts_serve.py OUT TOKENIZER PP NAME=DIR...
 """
 
-import contextlib
-import io
 import json
 import os
-import signal
-import socket
 import sys
 import threading
-import time
 import urllib.request
 from pathlib import Path
 
-from autotp import cli, distributed
+from serve_each import serve_each
 
 out, tokenizer, pp, rest = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4:]
-distributed.shutdown = lambda: None
 
 PROMPT = "w3 w17 w42 w8 w99 w51 w23"
 LONG = " ".join(f"w{(7 * i) % 97}" for i in range(40))
 JOINER = "w60 w61 w62"
 REPEAT = " ".join(["w5 w6 w7 w8 w9"] * 5)
 MODEL = [""]  # the name the server answers to: its directory's
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def post(url: str, body: dict) -> dict:
@@ -67,48 +55,20 @@ def streamed(url: str, prompt: str, n: int, first: threading.Event, answers: dic
     answers[name] = {"text": "".join(text)}
 
 
-def ask(port: int, answers: dict) -> None:
-    """Rank 0's client: wait for the server, ask, then stop the server."""
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=5):
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
-        answers["cold"] = completion(url, PROMPT, 12, logprobs=True)
-        again = post(url + "/completion", {"prompt": PROMPT, "n_predict": 12, "temperature": 0, "cache_prompt": True})
-        answers["again"] = {"text": again["content"], "cache_n": again["timings"]["cache_n"]}
-        first = threading.Event()
-        long = threading.Thread(target=streamed, args=(url, LONG, 16, first, answers, "long"))
-        long.start()
-        first.wait(120)
-        answers["joiner"] = completion(url, JOINER, 10)
-        long.join()
-        answers["repeat"] = completion(url, REPEAT, 16)
-    except Exception as e:  # noqa: BLE001 - written to the result, for the test to show
-        answers["error"] = f"{type(e).__name__}: {e}"
-    finally:
-        os.kill(os.getpid(), signal.SIGTERM)
-
-
-for name, directory in (a.split("=", 1) for a in rest):
+def ask(url: str, directory: str, answers: dict) -> None:
     MODEL[0] = os.path.basename(directory)
-    port = free_port() if distributed.rank() == 0 else 0
-    answers: dict = {}
-    client = threading.Thread(target=ask, args=(port, answers)) if distributed.rank() == 0 else None
-    if client is not None:
-        client.start()
-    stderr = io.StringIO()
-    with contextlib.redirect_stderr(stderr):
-        # float32: HF's float32 is the oracle. 16 tokens per step: the 40-token prompt goes in three chunks
-        code = cli.main(["serve", "--model", directory, "--tokenizer", tokenizer, "--port", str(port), "--pp", pp,
-                         "--dtype", "float32", "--kv-cache-memory", "16MiB", "--max-num-batched-tokens", "16",
-                         "--max-num-seqs", "4"])
-    if client is not None:
-        client.join()
-        (out / f"{name}.json").write_text(json.dumps({"code": code, "answers": answers, "stderr": stderr.getvalue()}))
+    answers["cold"] = completion(url, PROMPT, 12, logprobs=True)
+    again = post(url + "/completion", {"prompt": PROMPT, "n_predict": 12, "temperature": 0, "cache_prompt": True})
+    answers["again"] = {"text": again["content"], "cache_n": again["timings"]["cache_n"]}
+    first = threading.Event()
+    long = threading.Thread(target=streamed, args=(url, LONG, 16, first, answers, "long"))
+    long.start()
+    first.wait(120)
+    answers["joiner"] = completion(url, JOINER, 10)
+    long.join()
+    answers["repeat"] = completion(url, REPEAT, 16)
+
+
+# float32: HF's float32 is the oracle. 16 tokens per step: the 40-token prompt goes in three chunks
+serve_each(out, rest, ["--tokenizer", tokenizer, "--pp", pp, "--dtype", "float32", "--kv-cache-memory", "16MiB",
+                       "--max-num-batched-tokens", "16", "--max-num-seqs", "4"], ask, 180)

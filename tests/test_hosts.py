@@ -22,6 +22,7 @@ import pytest
 import torch
 from checkpoints import word_tokenizer
 from families import any_model, build
+from health import healthy
 from netns import Hosts, available
 
 from autotp.generate import generate
@@ -134,15 +135,9 @@ def serving(hosts: Hosts, model: str, words: str, tmp_path: Path, *extra: str) -
                                    "--dtype", "float32", "--kv-cache-memory", "16MiB", *extra),
                        tmp_path / f"host{i}.log") for i in range(2)]
     url = f"http://{hosts.addr(0)}:{http}"
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5):
-                return procs, url
-        except OSError:
-            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-                raise AssertionError("\n".join((tmp_path / f"host{i}.log").read_text() for i in range(2))) from None
-            time.sleep(0.2)
+    if not healthy(url, 180, procs):
+        raise AssertionError("\n".join((tmp_path / f"host{i}.log").read_text() for i in range(2)))
+    return procs, url
 
 
 def stream_until_failure(url: str, model: str, started: list) -> dict:

@@ -605,12 +605,13 @@ def test_serve_on_every_familys_checkpoint(tmp_path, family_checkpoint):
     assert out.returncode == 0, out.stderr[-3000:]
     for name in FAMILIES:
         result = json.loads((tmp_path / f"{name}.json").read_text())
+        answers = result["answers"]
         # what the completion adds to the prompt's text: the word tokenizer joins words with spaces, so " w0 ..."
         greedy, before = family_checkpoint(name)[1]["greedy"][0], tokenizer.decode(PROMPT[0], skip_special_tokens=True)
         expected = tokenizer.decode(greedy, skip_special_tokens=True)[len(before):]
         assert tokenizer.decode(greedy, skip_special_tokens=True).startswith(before) and expected.startswith(" ")
-        assert result["code"] == 0 and "error" not in result, (name, result)
-        assert result["text"] == result["streamed"] == expected, (name, result)
+        assert result["code"] == 0 and "error" not in answers, (name, result)
+        assert answers["text"] == answers["streamed"] == expected, (name, result)
         if name == "bloom":
             assert "no context limit" in result["stderr"] and "tokens of the KV cache" in result["stderr"]
 
