@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+from torch import nn
 from transformers import GPTBigCodeConfig, GPTBigCodeForCausalLM
 
 # name -> config. Head counts that divide every tp in 1..4 and ones that do not; vocab 101 and the MLP
@@ -47,6 +50,19 @@ def widen(model):
 def save(model, directory) -> str:
     model.save_pretrained(directory)
     return str(directory)
+
+
+def saver(tmp_path_factory, make: Callable[[str], nn.Module]) -> Callable[[str], str]:
+    """saver(tmp_path_factory, make)(name) -> the directory of make(name)'s checkpoint, written on first use (a
+    module-scoped fixture's, so that the module's tests share each checkpoint)."""
+    made: dict[str, str] = {}
+
+    def get(name: str) -> str:
+        if name not in made:
+            made[name] = save(make(name), tmp_path_factory.mktemp(name))
+        return made[name]
+
+    return get
 
 
 def reference(model, new_tokens: int = 32, seed: int = 1234) -> dict:

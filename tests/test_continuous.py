@@ -11,7 +11,7 @@ from __future__ import annotations
 import checkpoints
 import pytest
 import torch
-from checkpoints import word_tokenizer
+from checkpoints import saver, word_tokenizer
 from engine_driver import drive, engine_for, job, tokens_of
 from families import MODELS, any_model
 from rows import LIMITS, SPEC, alone, arrivals, prompts
@@ -22,15 +22,7 @@ from autotp.generate import generate
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """saved(name) -> the directory of that model's checkpoint, written once for the module."""
-    made: dict[str, str] = {}
-
-    def get(name: str) -> str:
-        if name not in made:
-            made[name] = str(tmp_path_factory.mktemp(name))
-            any_model(name).save_pretrained(made[name])
-        return made[name]
-
-    return get
+    return saver(tmp_path_factory, any_model)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import word_tokenizer
+from checkpoints import saver, word_tokenizer
 from families import any_model, build
 from health import healthy
 from netns import Hosts, available
@@ -46,15 +46,7 @@ def model_named(name: str):
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    made: dict[str, str] = {}
-
-    def get(name: str) -> str:
-        if name not in made:
-            made[name] = str(tmp_path_factory.mktemp(name))
-            model_named(name).save_pretrained(made[name])
-        return made[name]
-
-    return get
+    return saver(tmp_path_factory, model_named)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import json
 import urllib.request
 
 import pytest
-from checkpoints import word_tokenizer
+from checkpoints import saver, word_tokenizer
 from engine_driver import drafted_and_cached, pipeline_failing, pipeline_rows, tokens_of
 from families import MODELS, any_model
 from rows import LIMITS, SPEC, alone, prompts
@@ -30,15 +30,7 @@ LAYERS = 5  # uneven at pp 2 (3, 2) and pp 3 (2, 2, 1)
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """saved(name) -> the directory of that model's LAYERS-layer checkpoint, written once for the module."""
-    made: dict[str, str] = {}
-
-    def get(name: str) -> str:
-        if name not in made:
-            made[name] = str(tmp_path_factory.mktemp(name))
-            any_model(name, LAYERS).save_pretrained(made[name])
-        return made[name]
-
-    return get
+    return saver(tmp_path_factory, lambda name: any_model(name, LAYERS))
 
 
 @pytest.fixture(scope="module")
