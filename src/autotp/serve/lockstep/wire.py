@@ -26,6 +26,22 @@ HEADER = 8
 TIMEOUT_S = 60  # no broadcast waits longer than a heartbeat plus one step (a long prefill chunk included)
 
 
+def frame(data: bytes, head: torch.Tensor) -> torch.Tensor | None:
+    """data into head, a message of BUFFER bytes: its length in the first HEADER bytes, then data where it fits. The
+    second message, data whole in exactly its size, where it does not fit (None where it does)."""
+    head[:HEADER] = torch.frombuffer(bytearray(len(data).to_bytes(HEADER, "little")), dtype=torch.uint8)
+    if len(data) <= BUFFER - HEADER:
+        head[HEADER:HEADER + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        return None
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def unframe(head: torch.Tensor) -> tuple[int, bytes | None]:
+    """What a head message (`frame`) says: the data's length, and the data where it fit (None: it follows, whole)."""
+    size = int.from_bytes(head[:HEADER].numpy().tobytes(), "little")
+    return size, head[HEADER:HEADER + size].numpy().tobytes() if size <= BUFFER - HEADER else None
+
+
 class Channel:
     """rank 0 `send`s, every other rank `recv`s, once per step. group None (one rank): nothing is sent.
     ranks: the ranks it reaches (a pipeline's first stage; default every rank), rank 0 among them. Every rank makes
@@ -57,25 +73,22 @@ class Channel:
         """A step already pickled (a pipeline hands the same bytes on to the next stage)."""
         if self.group is None:
             return
-        self.buffer[:HEADER] = torch.frombuffer(bytearray(len(data).to_bytes(HEADER, "little")), dtype=torch.uint8)
-        fits = len(data) <= BUFFER - HEADER
-        if fits:
-            self.buffer[HEADER:HEADER + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        rest = frame(data, self.buffer)
         self._broadcast(self.buffer)
-        if not fits:
-            self._broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        if rest is not None:
+            self._broadcast(rest)
 
     def recv(self) -> Step:
         return pickle.loads(self.recv_raw())
 
     def recv_raw(self) -> bytes:
         self._broadcast(self.buffer)
-        size = int.from_bytes(self.buffer[:HEADER].numpy().tobytes(), "little")
-        if size <= BUFFER - HEADER:
-            return self.buffer[HEADER:HEADER + size].numpy().tobytes()
-        whole = torch.empty(size, dtype=torch.uint8)
-        self._broadcast(whole)
-        return whole.numpy().tobytes()
+        size, data = unframe(self.buffer)
+        if data is None:
+            whole = torch.empty(size, dtype=torch.uint8)
+            self._broadcast(whole)
+            data = whole.numpy().tobytes()
+        return data
 
     def tag(self) -> str:
         """A name the same on every rank and new for each channel of the process group."""

@@ -90,12 +90,9 @@ class Pipeline:
             finally:
                 self.watchdog.end()
         try:
-            self.links.send(raw, error, hidden, self._without(step))
+            self.links.send(raw, error, hidden, self.runner.without(step))
         except Exception as e:
             raise LockstepLost(f"{self.liveness.who(self.stages.next_rank(0))} is gone: {one_line(e)}") from e
-
-    def _without(self, step: Step) -> tuple[int, ...]:
-        return tuple(w.id for w in step.work if w.id in self.runner.dropped)
 
     def collect(self) -> StepResult:
         """The oldest step's result, from the sampling rank."""
@@ -172,7 +169,7 @@ def follow_stage(runner, channel: Channel, links: Links, stages: Stages, rank: i
                                        f"did not: {error}")
                         raise
         if not last:
-            links.send(hop.raw, error, None if error else out, tuple(w.id for w in step.work if w.id in runner.dropped))
+            links.send(hop.raw, error, None if error else out, runner.without(step))
         elif samples and step.runs:
             links.send_result(StepResult(error=error) if error else out)
         if not step.runs and stopping.is_set() and stopping.age() > STOP_GRACE_S and not step.finished:

@@ -3,10 +3,10 @@ index, with the hidden states it computed, and each step's sampled tokens from t
 
 A hop is the step (pickled once by rank 0 and handed on as those bytes, never pickled again), an error (the step's
 forward failed on this stage, or on one before it: the later stages skip it) and the hidden states (tokens, hidden),
-raw bytes in the model's dtype. On the wire: a BUFFER-byte message whose first 8 bytes give the length of what
-follows (the step, the error, the hidden states' shape and dtype); one of exactly that length where it does not
-fit; then the hidden states. So a decode step's hop is two messages, a few hundred bytes and one hidden state per
-token.
+raw bytes in the model's dtype. On the wire: the step, the error and the hidden states' shape and dtype, framed as
+lockstep/wire.py frames a step (a BUFFER-byte message that gives their length, and one of exactly that length where
+they do not fit in it); then the hidden states. So a decode step's hop is two messages, a few hundred bytes and one
+hidden state per token.
 
 Everything goes through one gloo group of the whole world, point to point (CPU tensors: on GPUs the hidden states
 cross through host memory). gloo's send completes only once the receiver has posted its receive, so:
@@ -31,9 +31,8 @@ import torch
 import torch.distributed as dist
 
 from autotp.serve.lockstep.step import Step, StepResult
+from autotp.serve.lockstep.wire import BUFFER, frame, unframe
 
-BUFFER = 4096
-HEADER = 8
 MAX_PENDING = 8  # sends posted and not yet taken: a stage runs at most this far ahead of the next
 TIMEOUT_S = 600  # the group's: liveness.py, not gloo's timeout, bounds a wait for a peer that stopped answering
 
@@ -58,13 +57,10 @@ class Lost(NamedTuple):
 
 
 def _frame(payload: bytes) -> list[torch.Tensor]:
-    """payload -> the messages that carry it: the BUFFER-byte one, and one of its exact size where it does not fit."""
+    """payload -> the messages that carry it (wire.frame), each its own tensor: a posted send reads it later."""
     head = torch.zeros(BUFFER, dtype=torch.uint8)
-    head[:HEADER] = torch.frombuffer(bytearray(len(payload).to_bytes(HEADER, "little")), dtype=torch.uint8)
-    if len(payload) <= BUFFER - HEADER:
-        head[HEADER:HEADER + len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        return [head]
-    return [head, torch.frombuffer(bytearray(payload), dtype=torch.uint8)]
+    rest = frame(payload, head)
+    return [head] if rest is None else [head, rest]
 
 
 class Links:
@@ -129,11 +125,8 @@ class Inbox(threading.Thread):
         return t
 
     def _payload(self) -> bytes:
-        head = self._recv(BUFFER)
-        size = int.from_bytes(head[:HEADER].numpy().tobytes(), "little")
-        if size <= BUFFER - HEADER:
-            return head[HEADER:HEADER + size].numpy().tobytes()
-        return self._recv(size).numpy().tobytes()
+        size, data = unframe(self._recv(BUFFER))
+        return data if data is not None else self._recv(size).numpy().tobytes()
 
     def run(self) -> None:
         try:

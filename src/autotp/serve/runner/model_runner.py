@@ -113,6 +113,10 @@ class ModelRunner:
         """The step's work this rank runs: a request whose forward failed is passed over until it ends (`fail`)."""
         return tuple(w for w in step.work if w.id not in self.dropped)
 
+    def without(self, step: Step) -> tuple[int, ...]:
+        """The step's requests this rank passes over (`handed`): the next stage receives no hidden states of theirs."""
+        return tuple(w.id for w in step.work if w.id in self.dropped)
+
     def fail(self, step: Step) -> None:
         """The step's forward failed (here, or on a stage before this one): its requests' tables go, and a later chunk
         of their prompts, in flight already (a pipeline's), is passed over until they end."""
