@@ -19,8 +19,8 @@ step stays in it; a lane admits up to its share of the requests running and wait
 request whose step has not come back waits, with one exception: a prompt's next chunk goes into the next step, of
 whichever lane, while its earlier chunks are still in flight (none of them samples, and every stage runs steps in
 order, so a chunk finds the keys and values of those before it written), so that the stages work on one long prompt
-at once instead of one after the other. Pure bookkeeping (no
-torch): the runners (runner/model_runner.py) do the work.
+at once instead of one after the other. Pure bookkeeping (no torch): the runners (runner/model_runner.py) do the
+work.
 """
 
 from __future__ import annotations

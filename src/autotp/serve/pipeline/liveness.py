@@ -46,6 +46,7 @@ class Liveness(threading.Thread):
         self.once = threading.Lock()
         self.prefix = f"{PREFIX}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{tag}"
         self.store = store_client(LOST_S)
+        self.addr = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"  # the store's, for the lines
         self.store.set(f"{self.prefix}/host/{rank}", socket.gethostname())
         self.armed = True
         self.beaten = time.monotonic()  # when this rank's beat last went through
@@ -60,9 +61,8 @@ class Liveness(threading.Thread):
             time.sleep(BEAT_S)
             silent = time.monotonic() - self.beaten
             if silent > LOST_S and self.armed:
-                addr = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-                self.lost(f"rank {self.rank} has not reached the rendezvous store at {addr} for {silent:.0f} s: its "
-                          f"host, or the network to it, is gone")
+                self.lost(f"rank {self.rank} has not reached the rendezvous store at {self.addr} for {silent:.0f} s: "
+                          f"its host, or the network to it, is gone")
                 return
 
     def lost(self, line: str) -> None:
@@ -103,8 +103,7 @@ class Liveness(threading.Thread):
                 fatal = self.store.check([f"{self.prefix}/fatal"]) and self.store.get(f"{self.prefix}/fatal").decode()
             except Exception as e:  # noqa: BLE001 - DistStoreError, a timeout, a closed connection
                 if self.armed:
-                    addr = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-                    self.lost(f"rank {self.rank} lost the rendezvous store at {addr} (its host, or the network to "
+                    self.lost(f"rank {self.rank} lost the rendezvous store at {self.addr} (its host, or the network to "
                               f"it, is gone): {type(e).__name__}: {e}".splitlines()[0][:300])
                 return
             now = self.beaten = time.monotonic()
