@@ -173,6 +173,7 @@ def test_a_pipeline_that_cannot_be_is_refused_in_one_line_before_anything_starts
     assert all(w in err for w in words), err
 
 
+@pytest.mark.slow
 def test_generate_pp_prints_what_one_process_prints_and_a_split_that_cannot_be_prints_no_prompt():
     """`autotp generate --pp N` as a user types it: the same screen as without --pp (the prompt, its greedy
     completion, one newline); a split the model cannot take is one line on stderr, with no prompt echoed before it."""
