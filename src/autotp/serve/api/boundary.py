@@ -9,6 +9,7 @@ OpenAI's error shape `{"error": {"message", "type", "param", "code"}}`; the TGI 
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import dataclass
 from functools import cached_property
@@ -104,16 +105,56 @@ class Parsed:
         return sum(len(r.ids) for r in self.rows)
 
 
+class NonFinite:
+    """What parse_json reads for NaN, Infinity, -Infinity (which Python's JSON parser takes and JSON has not) or a
+    number beyond a double (1e400, read as inf): a value no field accepts, refused with its place."""
+
+    def __init__(self, literal: str):
+        self.literal = literal
+
+
+def _non_finite(data) -> tuple[str, str] | None:
+    """(place, literal) of the first NonFinite in data, in the order the body writes it: "parameters.temperature",
+    "logit_bias.50256", "prompt[2]", "" for the body itself; None where a later duplicate key replaced it."""
+    stack = [("", data)]
+    while stack:  # not recursive: json.loads nests deeper than Python's recursion limit
+        where, value = stack.pop()
+        if isinstance(value, NonFinite):
+            return where, value.literal
+        if isinstance(value, dict):
+            stack += reversed([(f"{where}.{k}" if where else k, v) for k, v in value.items()])
+        elif isinstance(value, list):
+            stack += reversed([(f"{where}[{i}]", v) for i, v in enumerate(value)])
+    return None
+
+
 def parse_json(raw: bytes) -> dict:
-    """Request bytes -> the JSON object; refuses what neither the tokenizer nor a response could take."""
+    """Request bytes -> the JSON object; refuses what neither the tokenizer nor a response could take, and numbers
+    that are not finite, as llama-server's parser refuses them: NaN in t_max_predict_ms generated a whole answer and
+    then failed to write it."""
+    found: list[NonFinite] = []
+
+    def non_finite(literal: str) -> NonFinite:
+        found.append(NonFinite(literal))
+        return found[-1]
+
+    def number(text: str) -> float | NonFinite:
+        value = float(text)
+        return value if math.isfinite(value) else non_finite(text)
+
     try:
-        data = json.loads(raw)
+        data = json.loads(raw, parse_constant=non_finite, parse_float=number)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
     except RecursionError:
         raise ApiError(400, "the request body is not valid JSON: nested too deeply") from None
     except ValueError as e:  # an integer of more than 4300 digits (Python's int_max_str_digits)
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    if found:
+        where, literal = _non_finite(data) or ("", found[0].literal)
+        if not where:
+            raise ApiError(400, f"the request body is not valid JSON: {clip(literal)} is not a finite number")
+        raise invalid(where, f"invalid {where}: {clip(literal)} is not a finite number")
     if not isinstance(data, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}")
     try:  # "\ud800" decodes to a lone surrogate, which neither the tokenizer nor a UTF-8 response can take
