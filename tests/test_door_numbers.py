@@ -1,14 +1,19 @@
 """What a hostile or unlucky client meets at `autotp serve`'s door, from its side (raw HTTP, as the openai client
-cannot write NaN): numbers JSON has not (NaN, Infinity) refused in every protocol before anything runs.
+cannot write NaN): numbers JSON has not (NaN, Infinity) refused in every protocol before anything runs; a stream
+that fails after its first token still ends as its protocol ends a failure; every status a client gets counted in
+/metrics.
 
 One in-process server for the module (in_process.py)."""
 
 from __future__ import annotations
 
 import json
+import re
+import socket
 
+import openai
 import pytest
-from in_process import InProcess
+from in_process import InProcess, events
 from serve_harness import metrics
 
 from autotp.serve.api import boundary, llama_api, llama_info, openai_api, tgi_api
@@ -89,3 +94,102 @@ def test_a_number_json_has_not_is_refused_where_it_is_no_field_too():
         assert (e.value.status, e.value.param) == (400, None)
         assert e.value.message == f"the request body is not valid JSON: {literal} is not a finite number"
     assert boundary.parse_json(b'{"top_p": 1e308, "t": [-1.5e-300]}') == {"top_p": 1e308, "t": [-1.5e-300]}
+
+
+def failing(monkeypatch, cls, name: str, after_events: bool = False) -> None:
+    """cls.name raises once (a bug of ours in an answer's builder): on its first call, or on the first after a call
+    that gave the client an event (a random model's first tokens may be half a character, held back)."""
+    real, state = getattr(cls, name), {"armed": not after_events, "done": False}
+
+    def method(self, *args):
+        if state["armed"] and not state["done"]:
+            state["done"] = True
+            raise ValueError("injected failure")
+        out = real(self, *args)
+        state["armed"] = state["armed"] or bool(out)
+        return out
+
+    monkeypatch.setattr(cls, name, method)
+
+
+STREAMS = [  # (route, greedy body, the builder's class, the protocol's error end)
+    ("/v1/completions", {"prompt": "def add(a, b):", "max_tokens": 12, "temperature": 0, "stream": True},
+     openai_api.Completions,
+     lambda error: [{"error": {"message": error, "type": "server_error", "param": None, "code": None}}, "[DONE]"]),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "def add(a, b):"}], "max_tokens": 12,
+                              "temperature": 0, "stream": True},
+     openai_api.Chat,
+     lambda error: [{"error": {"message": error, "type": "server_error", "param": None, "code": None}}, "[DONE]"]),
+    ("/generate_stream", {"inputs": "def add(a, b):", "parameters": {"max_new_tokens": 12}}, tgi_api.Generation,
+     lambda error: [{"error": error, "error_type": "server"}]),
+    ("/completion", {"prompt": "def add(a, b):", "n_predict": 12, "temperature": 0, "stream": True}, llama_api.Native,
+     lambda error: [{"error": {"code": 500, "message": error, "type": "server_error"}}]),
+]
+
+
+@pytest.mark.parametrize("route, body, cls, end", STREAMS, ids=[s[0] for s in STREAMS])
+def test_a_stream_whose_answer_fails_after_its_first_token_still_ends(server, monkeypatch, capfd, route, body, cls,
+                                                                      end):
+    """The builder raises once a token has been sent: the client gets the protocol's error end and the stream's last
+    chunk, not a connection that stops; the server logs one line and serves on."""
+    failing(monkeypatch, cls, "piece", after_events=True)
+    before = errors_of(server, 500)
+    status, answer = server.post(route, json.dumps({"model": server.model_id} | body).encode())
+    got = events(answer)
+    assert status == 200 and len(got) > len(end("")), got
+    assert got[-len(end("")):] == end("ValueError: injected failure")
+    assert errors_of(server, 500) - before == 1
+    log = capfd.readouterr().err
+    assert re.search(rf"internal error on POST {re.escape(route)} at test_door_numbers.py:\d+: ValueError: injected "
+                     rf"failure", log), log
+    assert "Traceback" not in log
+    monkeypatch.undo()
+    assert server.post(route, json.dumps({"model": server.model_id} | body).encode())[1].count(b'"error"') == 0
+
+
+def test_a_row_the_engine_fails_mid_stream_ends_the_openai_clients_stream(server):
+    """The model's forward raises on the third step (greedy, the seeded model has written "1" by then): the openai
+    client, mid-stream, gets an APIError (the error object, then [DONE]) instead of waiting, and the next request is
+    served."""
+    forwards = []
+
+    def third(module, args, kwargs):
+        forwards.append(None)
+        if len(forwards) == 3:
+            raise RuntimeError("out of memory (injected)")
+
+    hook = server.model.register_forward_pre_hook(third, with_kwargs=True)
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    try:
+        before = errors_of(server, 500)
+        texts = []
+        with pytest.raises(openai.APIError, match="out of memory \\(injected\\)"):
+            for chunk in client.completions.create(model=server.model_id, prompt="x", max_tokens=12, temperature=0,
+                                                   stream=True):
+                texts.append(chunk.choices[0].text)
+        assert texts and errors_of(server, 500) - before == 1
+    finally:
+        hook.remove()
+    assert client.completions.create(model=server.model_id, prompt="x", max_tokens=12).usage.completion_tokens > 0
+
+
+def test_every_status_a_client_gets_is_counted(server, monkeypatch, capfd):
+    """A bug of ours answered 500 (Starlette's handler for it answered outside the counting middleware: uncounted), a
+    400, a 429, and uvicorn's own 400 to bytes that are no HTTP request."""
+    before = {code: errors_of(server, code) for code in (400, 429, 500)}
+    failing(monkeypatch, llama_api.Native, "final")
+    status, answer = server.post("/infill", b'{"input_prefix": "def f(", "input_suffix": "", "n_predict": 3}')
+    assert (status, json.loads(answer)) == (500, {"error": {"code": 500, "message": "ValueError: injected failure",
+                                                           "type": "server_error"}})
+    log = capfd.readouterr().err
+    assert re.search(r"internal error on POST /infill at test_door_numbers.py:\d+: ValueError: injected failure", log)
+    assert "Traceback" not in log
+    assert server.post("/completion", b'{"prompt": "a", "temperature": NaN}')[0] == 400
+    monkeypatch.setattr(server.engine, "submit", lambda *args: "full")
+    assert server.post("/completion", b'{"prompt": "a", "n_predict": 2}')[0] == 429
+    monkeypatch.undo()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(b"NOT HTTP\r\n\r\n")
+        assert s.recv(1024).startswith(b"HTTP/1.1 400 ")
+    grew = {code: errors_of(server, code) - before[code] for code in before}
+    assert grew == {400: 2, 429: 1, 500: 1}

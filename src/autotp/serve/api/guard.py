@@ -26,6 +26,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import socket
+from collections.abc import Callable
 
 import h11
 from starlette.requests import ClientDisconnect, Request
@@ -188,6 +189,12 @@ class ReadTimeoutH11(H11Protocol):
     """uvicorn's h11 protocol plus a deadline for reading each request (`read_timeout` seconds)."""
 
     read_timeout: float = 30.0
+    answered: Callable[[int], None] = staticmethod(lambda status: None)  # /metrics' count (http.HttpThread's)
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's own answer to bytes that are not an HTTP/1.1 request, counted as the app's answers are."""
+        self.answered(400)
+        super().send_400_response(msg)
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)

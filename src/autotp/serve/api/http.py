@@ -18,9 +18,11 @@ import asyncio
 import socket
 import threading
 import time
+import traceback
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -107,10 +109,21 @@ def log_request(cid: str, status: int, start: float, prompt_tokens: int = 0, res
     log(f"{line} error={clip(error)!r}" if error else line)
 
 
+def bug(exc: Exception, method: str, path: str) -> ApiError:
+    """A bug of ours, as the 500 its client gets (in its protocol's shape), and one log line that says where it was
+    raised, instead of a traceback."""
+    message = clip(f"{type(exc).__name__}: {exc}".splitlines()[0])
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
+    log(f"internal error on {method} {clip(path)}{where}: {message}")
+    return ApiError(500, message, type="server_error")
+
+
 class CountAnswers:
     """ASGI middleware: every response's status as it is sent, once (/metrics' request_errors_total counts
     the errors): the API's 4xx/5xx in each protocol's own code (TGI's 422 and 424), the guard's refusals
-    (401, 400 Host, 413, 415), unknown paths, and 499 for a client that left before its answer."""
+    (401, 400 Host, 413, 415), unknown paths, 499 for a client that left before its answer, and a bug of ours,
+    answered 500 here: Starlette's handler for Exception answers outside every middleware, uncounted."""
 
     def __init__(self, app, metrics: Metrics):
         self.app, self.metrics = app, metrics
@@ -118,13 +131,22 @@ class CountAnswers:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        started = False
 
         async def counted(message) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 self.metrics.answered(message["status"])
             await send(message)
 
-        await self.app(scope, receive, counted)
+        try:
+            await self.app(scope, receive, counted)
+        except Exception as e:  # noqa: BLE001 - a bug of ours: still an answer in the protocol's shape
+            error = bug(e, scope["method"], scope["path"])
+            if not started:  # a stream answers its own (_stream): a second status line cannot follow the first
+                body, status = errors.shaped(error, scope["path"])
+                await JSONResponse(body, status_code=status)(scope, receive, counted)
 
 
 async def _disconnected(request: Request) -> None:
@@ -144,6 +166,7 @@ def build_app(served: Served, engine: Engine, frontend: Frontend, max_body_bytes
     # concurrent calls ("Already borrowed"); the engine decodes with a copy of its own
     parser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="autotp-parse")
     app.state.parser = parser  # shut down with the server (HttpThread.stop)
+    app.state.metrics = metrics  # which also counts uvicorn's own 400s (HttpThread)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -151,12 +174,6 @@ def build_app(served: Served, engine: Engine, frontend: Frontend, max_body_bytes
             return closing_response(exc, request.url.path)
         body, status = errors.shaped(exc, request.url.path)
         return JSONResponse(body, status_code=status, headers=exc.headers)
-
-    @app.exception_handler(Exception)  # a bug of ours: still in the protocol's error shape, in one log line
-    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
-        message = clip(f"{type(exc).__name__}: {exc}".splitlines()[0])
-        log(f"internal error on {request.method} {clip(request.url.path)}: {message}")
-        return await api_error(request, ApiError(500, message, type="server_error"))
 
     @app.exception_handler(HTTPException)  # unknown paths and methods, in the same error shape
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
@@ -313,29 +330,37 @@ async def _collect(request: Request, call: Call, engine: Engine) -> None:
 
 
 async def _stream(call: Call, engine: Engine, frontend: Frontend, metrics: Metrics):
-    """Server-sent events, as the request's protocol words them (openai_api, tgi_api): per token, per finished
-    row, at the end. Starlette closes this generator when the client disconnects: its unfinished rows are
-    aborted."""
+    """Server-sent events, as the request's protocol words them (openai_api, tgi_api, llama_api): per token, per
+    finished row, at the end. Whatever fails once the 200 is sent (a row in the engine, a bug of ours in the answer's
+    builder) ends the stream with the protocol's error end (`failure`), so a client never waits for an end that does
+    not come. Starlette closes this generator when the client disconnects: its unfinished rows are aborted."""
     answer, status, error = call.parsed.answer, 499, "the client went away"  # nginx's code, until complete
+    failure: ApiError | None = None
     try:
-        for item in answer.start(call.cid, call.parsed.rows):
-            yield _sse(item)
-        while not call.complete():
-            event = await call.events.get()
-            if isinstance(event, Finished):
-                call.results[event.index] = event.result
-                for item in answer.finish(call.cid, event.index, event.result):
+        try:
+            for item in answer.start(call.cid, call.parsed.rows):
+                yield _sse(item)
+            while failure is None and not call.complete():
+                event = await call.events.get()
+                if isinstance(event, Finished):
+                    call.results[event.index] = event.result
+                    for item in answer.finish(call.cid, event.index, event.result):
+                        yield _sse(item)
+                elif isinstance(event, Failed):
+                    failure = engine_error(event.status, event.message)
+                else:
+                    for item in answer.piece(call.cid, event.index, event.piece):
+                        yield _sse(item)
+            if failure is None:
+                for item in answer.end(call.cid, call.ordered(), call.parsed.prompt_tokens):
                     yield _sse(item)
-            elif isinstance(event, Failed):  # the status line is sent already: the error travels as an event
-                status, error = event.status, event.message
-                yield _sse(answer.error_event(engine_error(status, error)))
-                return
-            else:
-                for item in answer.piece(call.cid, event.index, event.piece):
-                    yield _sse(item)
-        for item in answer.end(call.cid, call.ordered(), call.parsed.prompt_tokens):
-            yield _sse(item)
-        status, error = 200, ""
+                status, error = 200, ""
+        except Exception as e:  # noqa: BLE001 - a bug of ours, after the status line
+            failure = bug(e, "POST", call.path)
+        if failure is not None:  # the status line is sent already: the error travels as the stream's end
+            status, error = errors.status(failure, call.path), failure.message
+            for item in answer.failure(failure):
+                yield _sse(item)
     finally:
         frontend.close(call)
         if status != 200:
@@ -348,7 +373,8 @@ class HttpThread:
     """uvicorn in a daemon thread (the main thread belongs to the engine and the signal handlers)."""
 
     def __init__(self, app: FastAPI, sock: socket.socket, read_timeout: float):
-        protocol = type("H11", (ReadTimeoutH11,), {"read_timeout": read_timeout})
+        protocol = type("H11", (ReadTimeoutH11,), {"read_timeout": read_timeout,
+                                                   "answered": staticmethod(app.state.metrics.answered)})
         config = uvicorn.Config(app, http=protocol, log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=5)
         self.server = uvicorn.Server(config)

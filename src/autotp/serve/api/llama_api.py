@@ -370,8 +370,9 @@ class Native:
     def end(self, cid: str, results: list[Result], prompt_tokens: int) -> list[dict]:
         return []  # llama-server's own stream has no [DONE]
 
-    def error_event(self, error: ApiError) -> dict:
-        return error_body(error)
+    def failure(self, error: ApiError) -> list[dict]:
+        """How a stream that failed ends: llama-server's `{"error": ...}` event."""
+        return [error_body(error)]
 
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",

@@ -42,8 +42,9 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 FINISH_REASONS = ("stop", "length")  # engine/output.py's
 # what autotp answers errors with: OpenAI's and the guard's 4xx, TGI's 422 and 424, a client that left (499), a
-# failed generation (500), shutting down (503); other statuses (405) get their sample when they first happen
-ERROR_STATUSES = (400, 401, 404, 413, 415, 422, 424, 429, 499, 500, 503)
+# failed generation (500), /infill on a model without FIM tokens (501), shutting down (503); other statuses (405)
+# get their sample when they first happen
+ERROR_STATUSES = (400, 401, 404, 413, 415, 422, 424, 429, 499, 500, 501, 503)
 
 
 class Metrics:

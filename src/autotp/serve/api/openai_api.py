@@ -324,8 +324,10 @@ class Completions:
         tail: list[dict | str] = [self._object(cid, [], usage_of(prompt_tokens, results))] if self.usage else []
         return [*tail, "[DONE]"]
 
-    def error_event(self, error: ApiError) -> dict:
-        return error.body()
+    def failure(self, error: ApiError) -> list[dict | str]:
+        """How a stream that failed ends: the error object, then [DONE] (vLLM's, which the openai client reads as
+        an APIError)."""
+        return [error.body(), "[DONE]"]
 
 
 class Chat(Completions):

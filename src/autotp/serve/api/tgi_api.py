@@ -216,8 +216,9 @@ class Generation:
     def end(self, cid: str, results: list[Result], prompt_tokens: int) -> list[dict]:
         return []
 
-    def error_event(self, error: ApiError) -> dict:
-        return error_body(error)
+    def failure(self, error: ApiError) -> list[dict]:
+        """How a stream that failed ends: TGI's error event (huggingface_hub raises it)."""
+        return [error_body(error)]
 
     def _events(self, result: Result | None) -> list[dict]:
         """StreamResponse events for the tokens received so far; the last token's event waits for the row's
