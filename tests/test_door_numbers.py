@@ -1,23 +1,27 @@
 """What a hostile or unlucky client meets at `autotp serve`'s door, from its side (raw HTTP, as the openai client
 cannot write NaN): numbers JSON has not (NaN, Infinity) refused in every protocol before anything runs; a stream
 that fails after its first token still ends as its protocol ends a failure; every status a client gets counted in
-/metrics.
+/metrics; the start-up warning of a server open to the network without a key.
 
-One in-process server for the module (in_process.py)."""
+One in-process server for the module (in_process.py); one test starts `autotp serve` itself, for its warning."""
 
 from __future__ import annotations
 
 import json
 import re
 import socket
+import subprocess
+import sys
+import time
 
 import openai
 import pytest
 from in_process import InProcess, events
-from serve_harness import metrics
+from serve_harness import ENV, START_TIMEOUT_S, metrics
 
 from autotp.serve.api import boundary, llama_api, llama_info, openai_api, tgi_api
 from autotp.serve.api.boundary import ApiError
+from autotp.serve.api.guard import open_to_all
 
 NON_FINITE = ("NaN", "Infinity", "-Infinity", "1e400")  # Python's parser reads each; JSON has none of them
 
@@ -193,3 +197,32 @@ def test_every_status_a_client_gets_is_counted(server, monkeypatch, capfd):
         assert s.recv(1024).startswith(b"HTTP/1.1 400 ")
     grew = {code: errors_of(server, code) - before[code] for code in before}
     assert grew == {400: 2, 429: 1, 500: 1}
+
+
+def test_listening_beyond_loopback_without_a_key_is_said_at_start_up(tmp_path):
+    """`autotp serve --host 0.0.0.0` without --api-key: a warning line once the port is bound, before the model loads
+    (the test stops there)."""
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "autotp", "serve", "--host", "0.0.0.0", "--port", "0"],
+                                stdout=out, stderr=subprocess.STDOUT, env=ENV)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    try:
+        while not re.search("without an API key|serving autotp-demo", text := log.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, text
+            time.sleep(0.1)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert [line for line in text.splitlines() if "API key" in line] == [
+        "autotp serve: " + open_to_all("0.0.0.0", None)], text
+
+
+def test_the_warning_is_for_any_address_but_loopback_and_only_without_a_key():
+    for host in ("0.0.0.0", "::", "192.168.1.20", "gpu-box.example"):
+        assert open_to_all(host, None) == (f"warning: listening on {host} without an API key: anyone who can reach "
+                                           f"this port can generate with the model; set a key with AUTOTP_API_KEY=... "
+                                           f"(or --api-key), or listen on 127.0.0.1")
+        assert open_to_all(host, "key") is None
+    for host in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
+        assert open_to_all(host, None) is None

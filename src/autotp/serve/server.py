@@ -29,7 +29,7 @@ from autotp.hub import TOKENIZER_FILES, load_config, resolve_model_dir
 from autotp.loading.checkpoint import Checkpoint
 from autotp.serve.api import router_api
 from autotp.serve.api.boundary import Served
-from autotp.serve.api.guard import host_policy
+from autotp.serve.api.guard import host_policy, open_to_all
 from autotp.serve.api.http import Frontend, HttpThread, build_app
 from autotp.serve.api.metrics import Metrics
 from autotp.serve.engine.blocks import BlockPool
@@ -135,6 +135,8 @@ def serve(model: str, model_id: str, opts: ServeOptions = ServeOptions()) -> int
             sock = listen(opts.host, opts.port)
         except OSError as e:
             error = str(refusal(opts.host, opts.port, e))
+        if sock is not None and (warning := open_to_all(opts.host, opts.api_key)):
+            log(warning)
     error = channel.share(error)
     if error:
         raise AutotpError(error)

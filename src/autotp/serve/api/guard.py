@@ -6,7 +6,8 @@
 - API key: with `--api-key` (or AUTOTP_API_KEY), /v1/*, TGI's generation routes, llama-server's (llama_api.py)
   and the routes SGLang's router reads (router_api.py) need `Authorization: Bearer <key>`, as OpenAI, Hugging
   Face and llama.cpp clients and the router send it; /health, /info, /props and /metrics stay open for probes
-  and scrapers. Without a key, no header is read (llama.vim sends `Bearer ` with an empty key).
+  and scrapers. Without a key, no header is read (llama.vim sends `Bearer ` with an empty key); bound beyond
+  loopback without one, the server says at start-up that anyone who reaches it may use it (`open_to_all`).
 - POST bodies must be `application/json` (a browser form or `text/plain` fetch cannot be one without a
   CORS preflight, which this server never grants), except POST /flush_cache, whose body is ignored and
   which the router sends with none (a web page can send it too: only an API key keeps it out), of at most
@@ -47,15 +48,29 @@ BODYLESS = frozenset({"/flush_cache"})  # POSTs that carry nothing, sent without
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 
 
+def loopback(bind: str) -> bool:
+    """Whether only this machine can reach `bind`: localhost, 127.0.0.0/8, ::1. Any other name, whatever it
+    resolves to, may be reached from elsewhere."""
+    try:
+        return bind == "localhost" or ipaddress.ip_address(bind).is_loopback
+    except ValueError:
+        return False
+
+
 def host_policy(bind: str, allowed: list[str] | None) -> frozenset[str] | None:
     """The Host names to answer (None: any): `allowed` as given, else loopback names when bound to loopback."""
     if allowed is not None:
         return None if "*" in allowed else frozenset(a.lower() for a in allowed)
-    try:
-        loopback = bind == "localhost" or ipaddress.ip_address(bind).is_loopback
-    except ValueError:  # a name other than localhost: whatever it resolves to, clients may use it
-        loopback = False
-    return LOOPBACK_NAMES if loopback else None
+    return LOOPBACK_NAMES if loopback(bind) else None
+
+
+def open_to_all(bind: str, api_key: str | None) -> str | None:
+    """The start-up warning for a server that anyone who reaches it may use (bound beyond loopback, no key), or
+    None."""
+    if api_key is not None or loopback(bind):
+        return None
+    return (f"warning: listening on {bind} without an API key: anyone who can reach this port can generate with the "
+            f"model; set a key with AUTOTP_API_KEY=... (or --api-key), or listen on 127.0.0.1")
 
 
 def host_name(header: str) -> str:
