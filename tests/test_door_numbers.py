@@ -1,7 +1,8 @@
 """What a hostile or unlucky client meets at `autotp serve`'s door, from its side (raw HTTP, as the openai client
 cannot write NaN): numbers JSON has not (NaN, Infinity) refused in every protocol before anything runs; a stream
 that fails after its first token still ends as its protocol ends a failure; every status a client gets counted in
-/metrics; the start-up warning of a server open to the network without a key.
+/metrics; the start-up warning of a server open to the network without a key; the 501 of /infill on a model without
+FIM tokens saying each missing token once.
 
 One in-process server for the module (in_process.py); one test starts `autotp serve` itself, for its warning."""
 
@@ -14,13 +15,14 @@ import subprocess
 import sys
 import time
 
+import fim_families
 import openai
 import pytest
 from in_process import InProcess, events
 from serve_harness import ENV, START_TIMEOUT_S, metrics
 
 from autotp.serve.api import boundary, llama_api, llama_info, openai_api, tgi_api
-from autotp.serve.api.boundary import ApiError
+from autotp.serve.api.boundary import ApiError, Served
 from autotp.serve.api.guard import open_to_all
 
 NON_FINITE = ("NaN", "Infinity", "-Infinity", "1e400")  # Python's parser reads each; JSON has none of them
@@ -226,3 +228,14 @@ def test_the_warning_is_for_any_address_but_loopback_and_only_without_a_key():
         assert open_to_all(host, "key") is None
     for host in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
         assert open_to_all(host, None) is None
+
+
+def test_infill_on_a_model_without_fim_tokens_names_each_missing_token_once(tmp_path):
+    tok = fim_families.tokenizer("plain", tmp_path)
+    plain = Served("smollm2", tok, 128, 0, 4096, len(tok))
+    with pytest.raises(ApiError) as e:
+        llama_api.parse_infill(b'{"input_prefix": "a", "input_suffix": "b"}', plain)
+    assert (e.value.status, e.value.message) == (501, (
+        "infill is not supported by smollm2: this tokenizer has none of the fill-in-the-middle formats autotp knows: "
+        "it lacks <|fim_prefix|>, <|fim_suffix|>, <|fim_middle|>, <|file_sep|> (Qwen2.5-Coder); <fim_prefix>, "
+        "<fim_suffix>, <fim_middle> (StarCoder2, StarCoder); <file_sep> (StarCoder2)"))

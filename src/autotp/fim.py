@@ -186,15 +186,21 @@ LAYOUTS: tuple[Layout, ...] = (
 
 
 def layout_of(tokenizer) -> Layout:
-    """The first documented format whose tokens the tokenizer has, or a FimError naming what each one lacks."""
-    lacking = []
+    """The first documented format whose tokens the tokenizer has, or a FimError naming each token it lacks once,
+    beside the formats that need it (StarCoder's three are StarCoder2's too)."""
+    needed: dict[str, list[str]] = {}  # a missing token -> the formats that need it, in LAYOUTS' order
     for layout in LAYOUTS:
         missing = layout.lacks(tokenizer)
         if not missing:
             return layout
-        lacking.append(f"{', '.join(missing)} ({layout.name})")
+        for token in missing:
+            needed.setdefault(token, []).append(layout.name)
+    lacking: dict[tuple[str, ...], list[str]] = {}  # the formats -> the missing tokens they need
+    for token, names in needed.items():
+        lacking.setdefault(tuple(names), []).append(token)
+    said = [f"{', '.join(tokens)} ({', '.join(names)})" for names, tokens in lacking.items()]
     raise FimError(f"this tokenizer has none of the fill-in-the-middle formats autotp knows: it lacks "
-                   f"{'; '.join(lacking)}")
+                   f"{'; '.join(said)}")
 
 
 def stop_ids(tokenizer) -> tuple[int, ...]:
