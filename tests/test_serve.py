@@ -208,8 +208,8 @@ BAD = [  # (body, status, param, message fragment)
     ({"prompt": "x", "seed": 2**64, "temperature": 0}, 400, "seed", "between -9223372036854775808 and"),
     ({"prompt": "x", "seed": -2**63 - 1}, 400, "seed", "got -9223372036854775809"),
     (b'{"model": "M", "prompt": "x", "seed": 1' + b"0" * 5000 + b"}", 400, None, "4300 digits"),
-    (b'{"model": "M", "prompt": "x", "temperature": NaN}', 400, "temperature", "got nan"),
-    (b'{"model": "M", "prompt": "x", "top_p": 1e400}', 400, "top_p", "got inf"),
+    (b'{"model": "M", "prompt": "x", "temperature": NaN}', 400, "temperature", "NaN is not a finite number"),
+    (b'{"model": "M", "prompt": "x", "top_p": 1e400}', 400, "top_p", "1e400 is not a finite number"),
     ({"prompt": "x\ud800y"}, 400, None, "lone UTF-16 surrogate"),  # a plain-text 500 before
     ({"prompt": "x", "stop": ["\udfff"]}, 400, None, "lone UTF-16 surrogate"),
     ({"prompt": "x", "\ud800": 1}, 400, None, "lone UTF-16 surrogate"),
