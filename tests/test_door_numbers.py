@@ -64,7 +64,7 @@ def test_numbers_json_has_not_are_refused_at_every_protocols_door(server, route,
     """t_max_predict_ms: NaN on /infill generated its tokens, then answered 500 (streamed: 200 and no end at all)."""
     before = errors_of(server, status)
     for literal in NON_FINITE:
-        raw = template.replace("M", server.model_id).replace("{}", literal)
+        raw = template.replace('"M"', json.dumps(server.model_id)).replace("{}", literal)
         got, answer = server.post(route, raw.encode())
         body = json.loads(answer)
         message = f"invalid {field}: {literal} is not a finite number"
@@ -95,7 +95,7 @@ def test_no_field_of_any_protocol_takes_a_number_json_has_not():
 
 def test_a_number_json_has_not_is_refused_where_it_is_no_field_too():
     for raw, literal in ((b"NaN", "NaN"), (b'{"temperature": -Infinity, "temperature": 1.0}', "-Infinity")):
-        with pytest.raises(ApiError) as e:  # a later duplicate key replaced it: refused all the same, as llama.cpp
+        with pytest.raises(ApiError) as e:  # a later duplicate key replaced it: the literal is refused all the same
             boundary.parse_json(raw)
         assert (e.value.status, e.value.param) == (400, None)
         assert e.value.message == f"the request body is not valid JSON: {literal} is not a finite number"
