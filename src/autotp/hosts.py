@@ -10,6 +10,8 @@ that ends on every host when one host's ranks fail.
   collective that will never complete, see it within a poll and exit, the first rank of each host saying which host
   failed and why. Ranks of the failing host itself are torchrun's to stop. The watch ends when start-up does
   (`StartupWatch.stop`): once serving, a lost host is the pipeline's liveness to name (serve/pipeline/liveness.py).
+- `node`: which host a rank is on, as its launcher numbers the hosts. Never the hostname, which two hosts may share
+  (cloned VMs, containers, two torchruns on one machine); the name is only shown.
 No torch.distributed process group is needed: the launcher's store exists before any rank starts.
 """
 
@@ -84,6 +86,24 @@ def launcher_store(timeout_s: float):
         return None
 
 
+def node() -> int | None:
+    """This rank's host, as the launcher numbers them: torchrun's GROUP_RANK, the deepspeed launcher's CROSS_RANK,
+    else RANK // LOCAL_WORLD_SIZE (ranks started by hand, host after host); None where nothing says it."""
+    for name in ("GROUP_RANK", "CROSS_RANK"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    rank, per_host = os.environ.get("RANK", ""), os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE", "")
+    if rank.isdigit() and per_host.isdigit() and int(per_host) > 0:
+        return int(rank) // int(per_host)
+    return None
+
+
+def where() -> str:
+    """This rank's host for a line: 'node 1 (host-b)', its hostname shown, not relied on."""
+    n = node()
+    return socket.gethostname() if n is None else f"node {n} ({socket.gethostname()})"
+
+
 def _key() -> str:
     return f"autotp/failed/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
@@ -111,12 +131,12 @@ class StartupWatch:
         if store is None:
             return
         try:
-            store.compare_set(_key(), "", f"{rank}\t{socket.gethostname()}\t{message}")
+            store.compare_set(_key(), "", f"{rank}\t{node()}\t{where()}\t{message}")
         except RuntimeError:  # the store is gone with the launch: nobody is left to tell
             pass
 
     def run(self) -> None:
-        store, here = launcher_store(2.0), socket.gethostname()
+        store, here = launcher_store(2.0), str(node())
         while self.armed:
             time.sleep(POLL_S)
             try:
@@ -125,8 +145,8 @@ class StartupWatch:
                 return
             if not posted:
                 continue
-            rank, host, message = posted.split("\t", 2)
-            if host == here:  # a rank of this host: torchrun stops its peers here
+            rank, posted_node, host, message = posted.split("\t", 3)
+            if posted_node == here:  # a rank of this host: torchrun stops its peers here
                 continue
             deadline = time.monotonic() + OWN_FAILURE_S
             while time.monotonic() < deadline and self.armed and not self.failing:
