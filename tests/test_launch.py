@@ -237,3 +237,10 @@ def test_the_launchers_outcome():
     # a hang-up: generate's ranks die of it (129); the server drains and its rank 0 exits 129 itself
     assert outcome({0: (-1, 10), 1: (-1, 11)}, [signal.SIGHUP]) == (129, [])
     assert outcome({0: (129, 10)}, [signal.SIGHUP]) == (129, [])
+    # a rank its peers gave up on as stalled, which the launcher then ended, is named stalled, not by that SIGKILL
+    stopped = "stopped (SIGSTOP, or a job control stop)"
+    assert outcome({0: (1, 10), 1: (-9, 11)}, [], {1: stopped}) == (1, [
+        f"autotp: error: rank 1 (pid 11) stalled: its process was {stopped}, so its peers gave up on it and the "
+        "launcher ended it"])
+    assert outcome({0: (-15, 10), 1: (-9, 11)}, [], {1: stopped})[0] == 1
+
