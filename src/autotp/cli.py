@@ -324,6 +324,10 @@ def add_quantize_flags(parser: argparse.ArgumentParser) -> None:
 
 def add_tp_flag(parser: argparse.ArgumentParser, text: str, required: bool = False) -> None:
     parser.add_argument("--tp", "--tensor-parallel-size", type=positive_int, required=required, metavar="N", help=text)
+    if not required:  # a command that starts its ranks (autotp.launch)
+        parser.add_argument("--master-port", type=port_number, metavar="PORT",
+                            help="where the ranks this command starts meet, on 127.0.0.1 (default: $MASTER_PORT, "
+                                 "else a free port; torchrun's flag)")
 
 
 def layer_counts(text: str) -> tuple[int, ...]:
@@ -515,7 +519,8 @@ def main(argv: list[str] | None = None) -> int:
         except (AutotpError, OSError) as e:  # OSError: an unreadable model file or directory
             return command_line_error(str(e) if isinstance(e, AutotpError) else f"{type(e).__name__}: {e}")
     if starts_ranks:
-        return launch(ranks_asked(args), argv)  # each rank runs this argv again, under WORLD_SIZE = --tp x --pp
+        # each rank runs this argv again, under WORLD_SIZE = --tp x --pp
+        return launch(ranks_asked(args), argv, args.master_port)
     # torch: paid only once the flags are good (--help and flag errors are instant)
     from autotp import distributed, hosts
 

@@ -1,10 +1,11 @@
 """`--tp N` on `autotp generate` and `autotp serve`: this process starts the N local ranks of the same command.
 
 torch's own launcher does the work (`elastic_launch`, what torchrun runs), with torchrun's `--standalone`
-rendezvous: a store on port 0 of the loopback address, so the OS picks a free port and two launches on
-one host never collide. Each rank runs `python -m autotp ARGS` with torchrun's environment (RANK,
-WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT of that store), in its own session, so a terminal's Ctrl-C
-reaches this process only.
+rendezvous: a store that listens on the loopback address only (every rank is on this host; torch's store would
+listen on every interface), on the port --master-port or MASTER_PORT pins (torchrun's names), else on port 0, so
+the OS picks a free port and two launches on one host never collide. Each rank runs `python -m autotp ARGS`
+with torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT of that store), in its own
+session, so a terminal's Ctrl-C reaches this process only.
 
 What this adds to torchrun's behaviour, and the reason it is not `torchrun` itself:
 - SIGINT, SIGTERM and SIGHUP (a closed terminal) are forwarded once to every rank, which do what they do
@@ -28,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -121,8 +123,8 @@ def outcome(failures: dict[int, tuple[int, int]], received: list[int],
     and nothing is added: the lowest failing rank's, 2 for bad input. A rank ended by a signal nobody sent
     it (the kernel's OOM killer, a segfault, a `kill -9`) is named, once; the SIGTERM with which the agent
     then stops the others is not a failure of theirs. A stalled rank is named as such, not by the SIGKILL that
-    ended it. After a forwarded SIGINT/SIGTERM,
-    ranks ended by it were stopped, not failed: 128 + the signal, as a shell reports it (130, 143, 129)."""
+    ended it. After a forwarded SIGINT/SIGTERM, ranks ended by it were stopped, not failed: 128 + the signal, as a
+    shell reports it (130, 143, 129)."""
     sent = set(received[:1]) | ({signal.SIGKILL} if len(received) > 1 else set())
     if any(code != -signal.SIGTERM for code, _ in failures.values()):
         sent.add(signal.SIGTERM)  # the agent stops the other ranks with SIGTERM once one has failed
@@ -140,12 +142,46 @@ def outcome(failures: dict[int, tuple[int, int]], received: list[int],
     return (128 + received[0] if received else 1), lines
 
 
-def launch(tp: int, argv: list[str]) -> int:
+def rendezvous_port(flag: int | None) -> int | str:
+    """The rendezvous's port: --master-port, else MASTER_PORT, else 0 (the OS picks); a line for a MASTER_PORT that
+    is no port."""
+    if flag is not None:
+        return flag
+    text = os.environ.get("MASTER_PORT", "0")
+    if not text.isdigit() or int(text) > 65535:
+        return f"MASTER_PORT={text!r} is not a port number (0 to 65535): set it to one, or leave it out"
+    return int(text)
+
+
+def _rendezvous_store(port: int):
+    """(the store the agent's rendezvous will use, its port), listening on 127.0.0.1 only: the agent's own
+    TCPStore(multi_tenant=True) on the same port is this one (torch keeps one server per port and process)."""
+    import torch.distributed as dist
+
+    with socket.create_server(("127.0.0.1", port)) as listener:
+        port = listener.getsockname()[1]
+        store = dist.TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True, wait_for_workers=False,
+                              master_listen_fd=listener.fileno())
+        listener.detach()  # the store's now: it closes it
+    return store, port
+
+
+def launch(tp: int, argv: list[str], master_port: int | None = None) -> int:
     """Run `python -m autotp ARGV` as tp local ranks and return the command's exit code (see the module)."""
+    port = rendezvous_port(master_port)
+    if isinstance(port, str):
+        print(f"autotp: error: {port}", file=sys.stderr, flush=True)
+        return 2
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    try:
+        store, port = _rendezvous_store(port)
+    except OSError as e:
+        print(f"autotp: error: the ranks' rendezvous cannot listen on 127.0.0.1:{port} (--master-port or MASTER_PORT "
+              f"chooses another port): {e.strerror}", file=sys.stderr, flush=True)
+        return 1
     # the agent's own log lines (rendezvous, "failed (exitcode: 2) local_rank: 0 ...") are not the user's business:
     # what failed is said by the ranks, or below
     logging.getLogger("torch.distributed").setLevel(logging.CRITICAL)
@@ -175,7 +211,7 @@ def launch(tp: int, argv: list[str]) -> int:
             os.environ[STALLED] = str(notes)
             threading.Thread(target=_end_stalled, args=(notes, done), name="autotp-end-stalled", daemon=True).start()
             config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=tp, run_id=str(uuid.uuid4()),
-                                  rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
+                                  rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}", max_restarts=0,
                                   logs_specs=DefaultLogsSpecs(log_dir=logs),
                                   # SIGINT, SIGTERM and SIGHUP are forward()'s; the agent keeps its handling of
                                   # SIGQUIT
@@ -197,5 +233,6 @@ def launch(tp: int, argv: list[str]) -> int:
         return 1
     finally:
         done.set()
+        del store
         for sig, handler in previous.items():
             signal.signal(sig, handler)
