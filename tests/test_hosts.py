@@ -280,3 +280,23 @@ def test_sigterm_on_every_host_drains_and_exits_0(saved, words, tmp_path):
     assert [p.returncode for p in procs] == [0, 0], [lines(tmp_path / f"host{i}.log") for i in range(2)]
     for i in range(2):
         assert not any("error" in line for line in lines(tmp_path / f"host{i}.log"))
+
+
+@needs_hosts
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_ctrl_c_on_the_first_host_stops_the_other_in_one_line(saved, words, tmp_path):
+    """`torchrun --nnodes 2 ... serve --pp 2` typed on two hosts; Ctrl-C on host a (SIGINT to its foreground job):
+    host a drains and stops, and host b, whose service that was, says so in one line and exits 0, instead of
+    printing the store's errors and C++ frames of the connection it lost."""
+    with Hosts(2) as hosts:
+        procs, url = serving(hosts, saved("gpt_bigcode_mqa12"), words, tmp_path)
+        served = [len((tmp_path / f"host{i}.log").read_text().splitlines()) for i in range(2)]
+        hit = time.monotonic()
+        os.killpg(procs[0].pid, signal.SIGINT)  # the terminal's Ctrl-C: torchrun and its ranks, one process group
+        wait_all(procs, 60)
+        elapsed = time.monotonic() - hit
+    after = [(tmp_path / f"host{i}.log").read_text().splitlines()[served[i]:] for i in range(2)]
+    assert elapsed < 30, elapsed
+    assert procs[1].returncode == 0 and len(after[1]) <= 1, after[1]
+    assert "autotp serve: stopped" in after[0], after[0]

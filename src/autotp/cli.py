@@ -528,7 +528,10 @@ def main(argv: list[str] | None = None) -> int:
         hosts.WATCH.begin()  # another host's failure at start-up ends this rank too, in seconds
 
     try:
-        return args.func(args)
+        code = args.func(args)
+        if world is not None and args.command != "plan":
+            hosts.check_in_for_agent()  # torchrun's other hosts exit in silence, also after a Ctrl-C here
+        return code
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # output piped into `head`

@@ -10,6 +10,11 @@ that ends on every host when one host's ranks fail.
   collective that will never complete, see it within a poll and exit, the first rank of each host saying which host
   failed and why. Ranks of the failing host itself are torchrun's to stop. The watch ends when start-up does
   (`StartupWatch.stop`): once serving, a lost host is the pipeline's liveness to name (serve/pipeline/liveness.py).
+- `check_in_for_agent`: torchrun's agents meet at an exit barrier in the store that the first host's agent hosts.
+  After a Ctrl-C on the first host its agent never arrives and exits, taking the store, while the other hosts'
+  agents, whose ranks the first host's rank 0 stopped in order, wait there: each printed the store's error, its C++
+  frames and a traceback (23 lines) for a service stopped on purpose. Rank 0 checks in for its agent instead and
+  keeps the store up until the barrier is met, so the other hosts exit 0 in silence.
 - `node`: which host a rank is on, as its launcher numbers the hosts. Never the hostname, which two hosts may share
   (cloned VMs, containers, two torchruns on one machine); the name is only shown.
 No torch.distributed process group is needed: the launcher's store exists before any rank starts.
@@ -102,6 +107,25 @@ def where() -> str:
     """This rank's host for a line: 'node 1 (host-b)', its hostname shown, not relied on."""
     n = node()
     return socket.gethostname() if n is None else f"node {n} ({socket.gethostname()})"
+
+
+def check_in_for_agent(wait_s: float = 10.0) -> None:
+    """On rank 0 of node 0 of a multi-host torchrun whose command ended well (module docstring): arrive at torchrun's
+    exit barrier for this host's agent, and wait (at most wait_s) until every host's agent has. A second arrival of
+    the same agent is harmless: the barrier only counts up to the number of hosts. The keys are those of torch's
+    agent (elastic/agent/server/api.py _TERMINAL_STATE_SYNC_ID, elastic/utils/store.py barrier) under the static
+    rendezvous's prefix (its run id), torchrun's default with --master-addr; with --rdzv-backend c10d the keys are
+    others' and this does nothing."""
+    hosts = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+    if hosts < 2 or node() != 0 or os.environ.get("LOCAL_RANK") != "0" or (store := launcher_store(2.0)) is None:
+        return
+    barrier = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}/torchelastic/agent/terminal_state"
+    try:
+        if store.add(f"{barrier}/num_members", 1) == hosts:
+            store.set(f"{barrier}/last_member", "<val_ignored>")
+        store.wait([f"{barrier}/last_member"], timedelta(seconds=wait_s))
+    except RuntimeError:  # the other hosts are gone or slow: their agents say what they say
+        pass
 
 
 def _key() -> str:
