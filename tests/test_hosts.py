@@ -280,6 +280,8 @@ def test_sigterm_on_every_host_drains_and_exits_0(saved, words, tmp_path):
     assert [p.returncode for p in procs] == [0, 0], [lines(tmp_path / f"host{i}.log") for i in range(2)]
     for i in range(2):
         assert not any("error" in line for line in lines(tmp_path / f"host{i}.log"))
+    loading = [[line for line in lines(tmp_path / f"host{i}.log") if "serve: loading" in line] for i in range(2)]
+    assert [len(said) for said in loading] == [1, 0], loading  # rank 0's line, at once: host-b has no rank 0
 
 
 @needs_hosts

@@ -282,3 +282,20 @@ def test_a_master_port_that_is_no_port_is_one_line():
                          timeout=60, env={**os.environ, "MASTER_PORT": "80a"})
     assert out.returncode == 2 and out.stderr.splitlines() == [
         "autotp: error: MASTER_PORT='80a' is not a port number (0 to 65535): set it to one, or leave it out"]
+
+
+@pytest.mark.timeout(120)
+def test_a_server_started_without_a_terminal_says_at_once_what_it_loads():
+    """`autotp serve --tp 2` with its output to a file (systemd, nohup, a pipe): no progress bar, and the load takes
+    18-37 s on 2 cores; the first line, before torch is imported or a rank starts, says what is loading, and on what."""
+    proc = subprocess.Popen([sys.executable, "-m", "autotp", "serve", "--tp", "2", "--pp", "1", "--device", "cpu",
+                             "--port", "0"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        first = proc.stderr.readline()
+        started = children(proc.pid)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    assert first == "autotp serve: loading autotp-demo (tp=2 pp=1) on cpu\n"
+    assert started == []  # no rank yet: said before torch's import

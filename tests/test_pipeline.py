@@ -297,6 +297,7 @@ def test_a_stage_killed_or_stopped_mid_stream_is_named_once_and_every_rank_exits
     errors = [line for line in killed.text().splitlines() if "error" in line]
     assert errors == [f"autotp: error: rank 0 (pid {killed.victim}) died of SIGKILL"], killed.text()
     assert ended["killed exit"] < 10, ended
+    assert killed.text().count("autotp serve: loading autotp-demo (tp=1 pp=2)") == 1  # the launcher's, not rank 0's
     said = [line for line in stopped.text().splitlines() if line.startswith("autotp")]
     assert ended["stopped"] < LOST_S + 4 and ended["stopped exit"] < LOST_S + 6, ended
     assert said[-1].startswith(f"autotp: error: rank 1 (pid {stopped.victim}) stalled: its process was stopped"), said

@@ -518,6 +518,13 @@ def main(argv: list[str] | None = None) -> int:
             args.opts = serve_options(args, starts_ranks)
         except (AutotpError, OSError) as e:  # OSError: an unreadable model file or directory
             return command_line_error(str(e) if isinstance(e, AutotpError) else f"{type(e).__name__}: {e}")
+    # what is loading, at once (torch's import and the load take seconds to minutes, and a log has no progress bar):
+    # said by rank 0, or by the launcher that starts the ranks (not by its rank 0 again)
+    launched = NAMES_EXITS in os.environ
+    if args.command == "serve" and (starts_ranks or os.environ.get("RANK", "0") == "0" and not launched):
+        device = args.device or "cuda if torch sees a GPU, else cpu"
+        print(f"autotp serve: loading {args.model or DEMO_ID} (tp={args.tp or int(world or pp) // pp} pp={pp}) on "
+              f"{device}", file=sys.stderr, flush=True)
     if starts_ranks:
         # each rank runs this argv again, under WORLD_SIZE = --tp x --pp
         return launch(ranks_asked(args), argv, args.master_port)
