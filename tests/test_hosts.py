@@ -58,6 +58,52 @@ def test_a_host_is_its_launchers_node_rank_not_its_name(monkeypatch, env, node):
     assert hosts.where() == ("twin" if node is None else f"node {node} (twin)")
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("rendezvous", ["static", "c10d"])
+def test_rank_0_checks_in_at_torchruns_exit_barrier_for_its_agent(monkeypatch, rendezvous):
+    """Rank 0 of node 0 arrives at the agents' exit barrier for its own agent (gone after a Ctrl-C), so the other
+    host's agent passes it; under a rendezvous whose keys are elsewhere (c10d) it writes nothing and does not wait."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from pool import free_port
+
+    from autotp import hosts
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    for name, value in {"TORCHELASTIC_USE_AGENT_STORE": "True", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(port), "GROUP_WORLD_SIZE": "2", "GROUP_RANK": "0", "LOCAL_RANK": "0",
+                        "TORCHELASTIC_RUN_ID": "none"}.items():
+        monkeypatch.setenv(name, value)
+    if rendezvous == "static":  # what torch's agents write under the static rendezvous's prefix before any rank starts
+        store.set("none/torchelastic/assigned_ranks/0", "[0, 2, 0, 2]")
+    barrier = "none/torchelastic/agent/terminal_state"
+    passed = []
+
+    def other_agent() -> None:  # host b's, arriving once its ranks are done, as torch's agent does (_exit_barrier)
+        from torch.distributed.elastic.utils.store import barrier as agents_barrier
+
+        time.sleep(0.5)
+        try:
+            agents_barrier(dist.PrefixStore("none", store), 2, "torchelastic/agent/terminal_state", 3)
+            passed.append(True)
+        except Exception:  # noqa: BLE001 - its timeout: what the agent logs with the store's frames
+            pass
+
+    other = threading.Thread(target=other_agent)
+    other.start()
+    start = time.monotonic()
+    hosts.check_in_for_agent(wait_s=5.0)
+    waited = time.monotonic() - start
+    other.join()
+    if rendezvous == "static":
+        assert passed and 0.4 < waited < 5.0, waited
+    else:
+        assert not passed and store.add(f"{barrier}/num_members", 0) == 1 and waited < 0.4, waited
+
+
 def model_named(name: str):
     """The test's checkpoints: llama_tied is Llama's grouped-query attention with tied embeddings."""
     if name == "llama_tied":

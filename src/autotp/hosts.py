@@ -114,13 +114,16 @@ def check_in_for_agent(wait_s: float = 10.0) -> None:
     exit barrier for this host's agent, and wait (at most wait_s) until every host's agent has. A second arrival of
     the same agent is harmless: the barrier only counts up to the number of hosts. The keys are those of torch's
     agent (elastic/agent/server/api.py _TERMINAL_STATE_SYNC_ID, elastic/utils/store.py barrier) under the static
-    rendezvous's prefix (its run id), torchrun's default with --master-addr; with --rdzv-backend c10d the keys are
-    others' and this does nothing."""
+    rendezvous's prefix (its run id), torchrun's default with --master-addr, where the agents' rank assignment is
+    found; with --rdzv-backend c10d it is not, and this does nothing."""
     hosts = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
     if hosts < 2 or node() != 0 or os.environ.get("LOCAL_RANK") != "0" or (store := launcher_store(2.0)) is None:
         return
-    barrier = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}/torchelastic/agent/terminal_state"
+    agents = os.environ.get("TORCHELASTIC_RUN_ID", "none")  # the static rendezvous's prefix of the agents' keys
+    barrier = f"{agents}/torchelastic/agent/terminal_state"
     try:
+        if not store.check([f"{agents}/torchelastic/assigned_ranks/0"]):  # another rendezvous: its keys are elsewhere
+            return
         if store.add(f"{barrier}/num_members", 1) == hosts:
             store.set(f"{barrier}/last_member", "<val_ignored>")
         store.wait([f"{barrier}/last_member"], timedelta(seconds=wait_s))
