@@ -92,19 +92,21 @@ def signal_name(code: int) -> str:
 def _end_stalled(notes: Path, done: threading.Event) -> None:
     """SIGKILL each rank noted in `notes` as stalled (see STALLED), once the rank that noted it has exited or NOTED_S
     has passed: the noter says the line first, and the agent then stops the rest without a grace period to wait out."""
-    from autotp.serve.lockstep.watchdog import gone
-
     seen: dict[str, float] = {}  # note -> when this thread first read it
     ended: set[str] = set()
     while not done.wait(0.2):
-        for note in notes.iterdir():
-            if note.suffix or note.name in ended:  # .new: still being written
-                continue
-            pid, noter = map(int, note.read_text().split("\t")[:2])
-            first = seen.setdefault(note.name, time.monotonic())
-            if (gone(noter) or time.monotonic() - first > NOTED_S) and pid in _ranks():
+        try:
+            noted = [(note.name, note.read_text()) for note in notes.iterdir() if not note.suffix]  # .new: unfinished
+        except OSError:  # the launch is over: its folder is gone
+            return
+        for name, text in noted:
+            from autotp.serve.lockstep.watchdog import gone  # (torch's, imported only once a rank stalled)
+
+            pid, noter = map(int, text.split("\t")[:2])
+            first = seen.setdefault(name, time.monotonic())
+            if name not in ended and (gone(noter) or time.monotonic() - first > NOTED_S) and pid in _ranks():
                 os.killpg(pid, signal.SIGKILL)
-                ended.add(note.name)
+                ended.add(name)
 
 
 def stalled_ranks(notes: Path) -> dict[int, str]:
