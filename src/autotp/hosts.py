@@ -13,7 +13,7 @@ that ends on every host when one host's ranks fail.
 - `check_in_for_agent`: torchrun's agents meet at an exit barrier in the store that the first host's agent hosts.
   After a Ctrl-C on the first host its agent never arrives and exits, taking the store, while the other hosts'
   agents, whose ranks the first host's rank 0 stopped in order, wait there: each printed the store's error, its C++
-  frames and a traceback (23 lines) for a service stopped on purpose. Rank 0 checks in for its agent instead and
+  frames and a traceback (two dozen lines) for a service stopped on purpose. Rank 0 checks in for its agent instead and
   keeps the store up until the barrier is met, so the other hosts exit 0 in silence.
 - `node`: which host a rank is on, as its launcher numbers the hosts. Never the hostname, which two hosts may share
   (cloned VMs, containers, two torchruns on one machine); the name is only shown.
