@@ -56,6 +56,7 @@ def test_a_host_is_its_launchers_node_rank_not_its_name(monkeypatch, env, node):
     monkeypatch.setattr(hosts.socket, "gethostname", lambda: "twin")
     assert hosts.node() == node
     assert hosts.where() == ("twin" if node is None else f"node {node} (twin)")
+    assert hosts.key() == ("twin" if node is None else f"node {node}")  # what the hub, budget and watchdog compare
 
 
 @pytest.mark.timeout(60)

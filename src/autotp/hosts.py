@@ -103,6 +103,13 @@ def node() -> int | None:
     return None
 
 
+def key() -> str:
+    """This rank's host as a key that ranks compare ('node 1'): the node rank where the launcher gives one, the
+    hostname only where nothing does (a script's own mp.spawn, all on one machine)."""
+    n = node()
+    return socket.gethostname() if n is None else f"node {n}"
+
+
 def where() -> str:
     """This rank's host for a line: 'node 1 (host-b)', its hostname shown, not relied on."""
     n = node()
