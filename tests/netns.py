@@ -33,8 +33,9 @@ def _ip(*args: str) -> None:
 class Hosts:
     """n simulated hosts (see the module); a context manager that removes them, and every process in them."""
 
-    def __init__(self, n: int, rate: str | None = None):
-        self.n, self.rate = n, rate
+    def __init__(self, n: int, rate: str | None = None, names: list[str] | None = None):
+        """names: the hosts' hostnames (default host-a, host-b, ...), alike where two cloned machines share one."""
+        self.n, self.rate, self.names = n, rate, names
         tag = os.getpid() % 10_000
         self.prefix, self.net = f"a{tag}", 100 + tag % 150
         self.procs: list[subprocess.Popen] = []
@@ -46,7 +47,7 @@ class Hosts:
         return f"10.{self.net}.0.{i + 1}"
 
     def name(self, i: int) -> str:
-        return f"host-{'abcdefgh'[i]}"
+        return self.names[i] if self.names else f"host-{'abcdefgh'[i]}"
 
     def __enter__(self) -> Hosts:
         sw, p = f"{self.prefix}sw", self.prefix

@@ -94,5 +94,5 @@ def test_ranks_that_each_see_their_own_gpu_as_cuda_0_start(pools):
 def test_two_ranks_on_one_physical_gpu_are_still_refused(pools):
     # two ranks given the same GPU (a launcher's mistake): the same UUID on one host
     uuid = "GPU-5e1d7a0c-0000-0000-0000-000000000000"
-    said = f"ranks 0, 1 all run on cuda:0 of {socket.gethostname()}: give each rank its own GPU"
+    said = f"ranks 0, 1 all run on cuda:0 of node 0 ({socket.gethostname()}): give each rank its own GPU"
     assert [s[:len(said)] for s in pools(2).run(init_on_visible_gpu, [uuid, uuid], timeout=60)] == [said, said]

@@ -237,3 +237,65 @@ def test_the_launchers_outcome():
     # a hang-up: generate's ranks die of it (129); the server drains and its rank 0 exits 129 itself
     assert outcome({0: (-1, 10), 1: (-1, 11)}, [signal.SIGHUP]) == (129, [])
     assert outcome({0: (129, 10)}, [signal.SIGHUP]) == (129, [])
+    # a rank its peers gave up on as stalled, which the launcher then ended, is named stalled, not by that SIGKILL
+    stopped = "stopped (SIGSTOP, or a job control stop)"
+    assert outcome({0: (1, 10), 1: (-9, 11)}, [], {1: stopped}) == (1, [
+        f"autotp: error: rank 1 (pid 11) stalled: its process was {stopped}, so its peers gave up on it and the "
+        "launcher ended it"])
+    assert outcome({0: (-15, 10), 1: (-9, 11)}, [], {1: stopped})[0] == 1
+
+
+def listening(port: int) -> set[str]:
+    """The addresses (hex, as /proc/net/tcp* writes them) on which something of this machine listens on `port`."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in Path(table).read_text().splitlines()[1:]:
+            local, state = row.split()[1], row.split()[3]
+            address, hex_port = local.split(":")
+            if state == "0A" and int(hex_port, 16) == port:
+                found.add(address)
+    return found
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("pin", ["flag", "environment"])
+def test_the_rendezvous_port_can_be_pinned_and_listens_on_loopback_only(pin):
+    """`--tp 2 --master-port P` (torchrun's flag) or MASTER_PORT=P: the ranks meet on port P, which listens on
+    127.0.0.1 alone (every rank is on this host), not on every interface."""
+    port = free_port()
+    flag, env = (["--master-port", str(port)], {}) if pin == "flag" else ([], {"MASTER_PORT": str(port)})
+    proc = subprocess.Popen([sys.executable, "-m", "autotp", "generate", "--tp", "2", "--prompt", PROMPT,
+                             "--max-new-tokens", "480", *flag], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **env}, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (seen := listening(port)) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert seen == {"0100007F"}, (seen, proc.poll())  # 127.0.0.1, and no 0.0.0.0 or ::
+    finally:
+        proc.send_signal(signal.SIGTERM)  # forwarded to the ranks, as from a service manager
+        proc.wait(timeout=60)
+
+
+def test_a_master_port_that_is_no_port_is_one_line():
+    out = subprocess.run([sys.executable, "-m", "autotp", "generate", "--tp", "2"], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "MASTER_PORT": "80a"})
+    assert out.returncode == 2 and out.stderr.splitlines() == [
+        "autotp: error: MASTER_PORT='80a' is not a port number (0 to 65535): set it to one, or leave it out"]
+
+
+@pytest.mark.timeout(120)
+def test_a_server_started_without_a_terminal_says_at_once_what_it_loads():
+    """`autotp serve --tp 2` with its output to a file (systemd, nohup, a pipe): no progress bar, and the load takes
+    18-37 s on 2 cores; the first line, before torch is imported or a rank starts, says what is loading, and on what."""
+    proc = subprocess.Popen([sys.executable, "-m", "autotp", "serve", "--tp", "2", "--pp", "1", "--device", "cpu",
+                             "--port", "0"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        first = proc.stderr.readline()
+        started = children(proc.pid)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    assert first == "autotp serve: loading autotp-demo (tp=2 pp=1) on cpu\n"
+    assert started == []  # no rank yet: said before torch's import

@@ -9,7 +9,9 @@ resolved layout, before any weight is read.
 from __future__ import annotations
 
 import json
+import os
 import urllib.request
+from pathlib import Path
 
 import pytest
 from checkpoints import saver, word_tokenizer
@@ -234,3 +236,69 @@ def test_serve_pp_2_on_one_host_answers_as_one_process_generates(tmp_path):
     assert whole.choices[0].text == streamed == tokenizer.decode(new, skip_special_tokens=True)
     assert (info["tp_size"], info["pp_size"]) == (1, 2)
     assert "tp=1 pp=2" in server.text()
+
+
+def rank_of(pid: int) -> int:
+    """A launched rank's RANK, from its environment."""
+    env = dict(v.split("=", 1) for v in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in v)
+    return int(env["RANK"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_stage_killed_or_stopped_mid_stream_is_named_once_and_every_rank_exits_in_seconds(tmp_path):
+    """Two `autotp serve --pp 2`, each streaming: rank 0 of one is SIGKILLed, rank 1 of the other SIGSTOPped.
+    Killed: one line, the launcher's, naming rank 0 (not rank 1's gloo text as well). Stopped: the client's stream
+    ends within the liveness window, every rank exits seconds later (not after the launcher's 30 s grace period) and
+    the last line names rank 1 as stalled, not as killed by the launcher's own SIGKILL."""
+    import signal
+    import threading
+    import time
+
+    from serve_harness import Server, alive
+
+    from autotp.serve.pipeline.liveness import LOST_S
+
+    killed = Server(None, tmp_path / "killed.log", "--pp", "2", torchrun=False, wait=False)
+    stopped = Server(None, tmp_path / "stopped.log", "--pp", "2", torchrun=False, wait=False)
+    ended: dict[str, float] = {}
+    try:
+        for name, server, fault, victim in (("killed", killed, signal.SIGKILL, 0),
+                                            ("stopped", stopped, signal.SIGSTOP, 1)):
+            server.up()
+            stream = iter(server.client.completions.create(model="autotp-demo", prompt="def f():", max_tokens=400,
+                                                           temperature=0.9, stream=True))
+            next(stream)
+            pid = next(p for p in server.ranks if rank_of(p) == victim)
+
+            def drain(stream=stream, name=name):
+                try:
+                    for _ in stream:
+                        pass
+                except Exception:  # noqa: BLE001 - the stream's end is what is timed
+                    pass
+                ended[name] = time.monotonic()
+
+            client = threading.Thread(target=drain)
+            client.start()
+            hit = time.monotonic()
+            os.kill(pid, fault)
+            server.proc.wait(timeout=60)
+            ended[name + " exit"] = time.monotonic() - hit
+            client.join(30)
+            ended[name] -= hit
+            server.victim = pid
+    finally:
+        for server in (killed, stopped):
+            for pid in getattr(server, "ranks", []):
+                if alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+            server.kill()
+    errors = [line for line in killed.text().splitlines() if "error" in line]
+    assert errors == [f"autotp: error: rank 0 (pid {killed.victim}) died of SIGKILL"], killed.text()
+    assert ended["killed exit"] < 10, ended
+    assert killed.text().count("autotp serve: loading autotp-demo (tp=1 pp=2)") == 1  # the launcher's, not rank 0's
+    said = [line for line in stopped.text().splitlines() if line.startswith("autotp")]
+    assert ended["stopped"] < LOST_S + 4 and ended["stopped exit"] < LOST_S + 6, ended
+    assert said[-1].startswith(f"autotp: error: rank 1 (pid {stopped.victim}) stalled: its process was stopped"), said
+    assert not any("SIGKILL" in line for line in said), said

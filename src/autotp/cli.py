@@ -324,6 +324,10 @@ def add_quantize_flags(parser: argparse.ArgumentParser) -> None:
 
 def add_tp_flag(parser: argparse.ArgumentParser, text: str, required: bool = False) -> None:
     parser.add_argument("--tp", "--tensor-parallel-size", type=positive_int, required=required, metavar="N", help=text)
+    if not required:  # a command that starts its ranks (autotp.launch)
+        parser.add_argument("--master-port", type=port_number, metavar="PORT",
+                            help="where the ranks this command starts meet, on 127.0.0.1 (default: $MASTER_PORT, "
+                                 "else a free port; torchrun's flag)")
 
 
 def layer_counts(text: str) -> tuple[int, ...]:
@@ -514,8 +518,16 @@ def main(argv: list[str] | None = None) -> int:
             args.opts = serve_options(args, starts_ranks)
         except (AutotpError, OSError) as e:  # OSError: an unreadable model file or directory
             return command_line_error(str(e) if isinstance(e, AutotpError) else f"{type(e).__name__}: {e}")
+    # what is loading, at once (torch's import and the load take seconds to minutes, and a log has no progress bar):
+    # said by rank 0, or by the launcher that starts the ranks (not by its rank 0 again)
+    launched = NAMES_EXITS in os.environ
+    if args.command == "serve" and (starts_ranks or os.environ.get("RANK", "0") == "0" and not launched):
+        device = args.device or "cuda if torch sees a GPU, else cpu"
+        print(f"autotp serve: loading {args.model or DEMO_ID} (tp={args.tp or int(world or pp) // pp} pp={pp}) on "
+              f"{device}", file=sys.stderr, flush=True)
     if starts_ranks:
-        return launch(ranks_asked(args), argv)  # each rank runs this argv again, under WORLD_SIZE = --tp x --pp
+        # each rank runs this argv again, under WORLD_SIZE = --tp x --pp
+        return launch(ranks_asked(args), argv, args.master_port)
     # torch: paid only once the flags are good (--help and flag errors are instant)
     from autotp import distributed, hosts
 
@@ -523,7 +535,10 @@ def main(argv: list[str] | None = None) -> int:
         hosts.WATCH.begin()  # another host's failure at start-up ends this rank too, in seconds
 
     try:
-        return args.func(args)
+        code = args.func(args)
+        if world is not None and args.command != "plan":
+            hosts.check_in_for_agent()  # torchrun's other hosts exit in silence, also after a Ctrl-C here
+        return code
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # output piped into `head`

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import socket
 import sys
 import time
 import weakref
@@ -115,7 +114,7 @@ def shared_gpus(placements: list[tuple[str, str, str]]) -> list[list[int]]:
 def _check_one_gpu_per_rank(device: torch.device, group) -> None:
     """Two ranks on one GPU run (NCCL may even hang): say so on every rank instead."""
     placements: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(placements, (socket.gethostname(), str(device), gpu_uuid(device)), group=group)
+    dist.all_gather_object(placements, (hosts.where(), str(device), gpu_uuid(device)), group=group)
     clashes = shared_gpus(placements)
     if clashes:
         ranks = clashes[0]

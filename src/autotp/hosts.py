@@ -10,6 +10,13 @@ that ends on every host when one host's ranks fail.
   collective that will never complete, see it within a poll and exit, the first rank of each host saying which host
   failed and why. Ranks of the failing host itself are torchrun's to stop. The watch ends when start-up does
   (`StartupWatch.stop`): once serving, a lost host is the pipeline's liveness to name (serve/pipeline/liveness.py).
+- `check_in_for_agent`: torchrun's agents meet at an exit barrier in the store that the first host's agent hosts.
+  After a Ctrl-C on the first host its agent never arrives and exits, taking the store, while the other hosts'
+  agents, whose ranks the first host's rank 0 stopped in order, wait there: each printed the store's error, its C++
+  frames and a traceback (two dozen lines) for a service stopped on purpose. Rank 0 checks in for its agent instead and
+  keeps the store up until the barrier is met, so the other hosts exit 0 in silence.
+- `node`: which host a rank is on, as its launcher numbers the hosts. Never the hostname, which two hosts may share
+  (cloned VMs, containers, two torchruns on one machine); the name is only shown.
 No torch.distributed process group is needed: the launcher's store exists before any rank starts.
 """
 
@@ -84,6 +91,53 @@ def launcher_store(timeout_s: float):
         return None
 
 
+def node() -> int | None:
+    """This rank's host, as the launcher numbers them: torchrun's GROUP_RANK, the deepspeed launcher's CROSS_RANK,
+    else RANK // LOCAL_WORLD_SIZE (ranks started by hand, host after host); None where nothing says it."""
+    for name in ("GROUP_RANK", "CROSS_RANK"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    rank, per_host = os.environ.get("RANK", ""), os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE", "")
+    if rank.isdigit() and per_host.isdigit() and int(per_host) > 0:
+        return int(rank) // int(per_host)
+    return None
+
+
+def key() -> str:
+    """This rank's host as a key that ranks compare ('node 1'): the node rank where the launcher gives one, the
+    hostname only where nothing does (a script's own mp.spawn, all on one machine)."""
+    n = node()
+    return socket.gethostname() if n is None else f"node {n}"
+
+
+def where() -> str:
+    """This rank's host for a line: 'node 1 (host-b)', its hostname shown, not relied on."""
+    n = node()
+    return socket.gethostname() if n is None else f"node {n} ({socket.gethostname()})"
+
+
+def check_in_for_agent(wait_s: float = 10.0) -> None:
+    """On rank 0 of node 0 of a multi-host torchrun whose command ended well (module docstring): arrive at torchrun's
+    exit barrier for this host's agent, and wait (at most wait_s) until every host's agent has. A second arrival of
+    the same agent is harmless: the barrier only counts up to the number of hosts. The keys are those of torch's
+    agent (elastic/agent/server/api.py _TERMINAL_STATE_SYNC_ID, elastic/utils/store.py barrier) under the static
+    rendezvous's prefix (its run id), torchrun's default with --master-addr, where the agents' rank assignment is
+    found; with --rdzv-backend c10d it is not, and this does nothing."""
+    hosts = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+    if hosts < 2 or node() != 0 or os.environ.get("LOCAL_RANK") != "0" or (store := launcher_store(2.0)) is None:
+        return
+    agents = os.environ.get("TORCHELASTIC_RUN_ID", "none")  # the static rendezvous's prefix of the agents' keys
+    barrier = f"{agents}/torchelastic/agent/terminal_state"
+    try:
+        if not store.check([f"{agents}/torchelastic/assigned_ranks/0"]):  # another rendezvous: its keys are elsewhere
+            return
+        if store.add(f"{barrier}/num_members", 1) == hosts:
+            store.set(f"{barrier}/last_member", "<val_ignored>")
+        store.wait([f"{barrier}/last_member"], timedelta(seconds=wait_s))
+    except RuntimeError:  # the other hosts are gone or slow: their agents say what they say
+        pass
+
+
 def _key() -> str:
     return f"autotp/failed/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
@@ -111,12 +165,12 @@ class StartupWatch:
         if store is None:
             return
         try:
-            store.compare_set(_key(), "", f"{rank}\t{socket.gethostname()}\t{message}")
+            store.compare_set(_key(), "", f"{rank}\t{node()}\t{where()}\t{message}")
         except RuntimeError:  # the store is gone with the launch: nobody is left to tell
             pass
 
     def run(self) -> None:
-        store, here = launcher_store(2.0), socket.gethostname()
+        store, here = launcher_store(2.0), str(node())
         while self.armed:
             time.sleep(POLL_S)
             try:
@@ -125,8 +179,8 @@ class StartupWatch:
                 return
             if not posted:
                 continue
-            rank, host, message = posted.split("\t", 2)
-            if host == here:  # a rank of this host: torchrun stops its peers here
+            rank, posted_node, host, message = posted.split("\t", 3)
+            if posted_node == here:  # a rank of this host: torchrun stops its peers here
                 continue
             deadline = time.monotonic() + OWN_FAILURE_S
             while time.monotonic() < deadline and self.armed and not self.failing:

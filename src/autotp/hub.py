@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import socket
 import threading
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ import torch.distributed as dist
 from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig
 
-from autotp import distributed
+from autotp import distributed, hosts
 from autotp.errors import AutotpError
 from autotp.model_dir import config_fields, local_dir
 
@@ -47,7 +46,7 @@ def resolve_model_dir(model: str | os.PathLike, patterns: list[str] = WEIGHT_FIL
     if store is None:
         return _fetch(str(model), patterns)
     digest = hashlib.sha1(repr(sorted(patterns)).encode()).hexdigest()[:8]
-    key = f"autotp/hub/{socket.gethostname()}/{model}/{digest}"
+    key = f"autotp/hub/{hosts.key()}/{model}/{digest}"
     if _downloads_for_this_node():
         return _download(store, key, str(model), patterns)
     _wait(store, key, str(model))
@@ -58,9 +57,9 @@ def _downloads_for_this_node() -> bool:
     """LOCAL_RANK 0; without LOCAL_RANK (a script's own mp.spawn), the lowest rank on this host."""
     if "LOCAL_RANK" in os.environ:
         return int(os.environ["LOCAL_RANK"]) == 0
-    hosts: list = [None] * distributed.world_size()
-    dist.all_gather_object(hosts, socket.gethostname())
-    return hosts.index(socket.gethostname()) == distributed.rank()
+    nodes: list = [None] * distributed.world_size()
+    dist.all_gather_object(nodes, hosts.key())
+    return nodes.index(hosts.key()) == distributed.rank()
 
 
 def clip(text: str, limit: int = 200) -> str:

@@ -18,7 +18,6 @@ only by a rank whose forward raised.
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from autotp import hosts
 from autotp.distributed import exited_rank, peer_lost
 
 GRACE_S = 5.0  # ranks that fail alike fail within milliseconds of each other: a second rank's note comes sooner
@@ -52,7 +52,7 @@ class Watch:
         self.stage = ranks  # whose notes count: a pipeline stage's ranks, or (None) every rank
         self.store = dist.distributed_c10d._get_default_store() if tp > 1 else None
         if self.store is not None:  # so that rank 0 can name a rank that died where gloo's error does not
-            self.store.set(f"{PREFIX}/{tag}/pid/{rank}", f"{socket.gethostname()} {os.getpid()}")
+            self.store.set(f"{PREFIX}/{tag}/pid/{rank}", f"{hosts.key()} {os.getpid()}")
 
     @property
     def ranks(self) -> range:
@@ -70,8 +70,8 @@ class Watch:
         peers = []  # (rank, pid) of the other ranks on this host
         try:
             for r in self.ranks:
-                host, pid = self.store.get(f"{PREFIX}/{self.tag}/pid/{r}").decode().split()
-                if r != self.rank and host == socket.gethostname():
+                host, pid = self.store.get(f"{PREFIX}/{self.tag}/pid/{r}").decode().rsplit(" ", 1)
+                if r != self.rank and host == hosts.key():
                     peers.append((r, int(pid)))
         except Exception:  # noqa: BLE001 - the store went with the ranks: say what the collective said
             peers = []

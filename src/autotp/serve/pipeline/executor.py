@@ -143,7 +143,7 @@ def follow_stage(runner, channel: Channel, links: Links, stages: Stages, rank: i
             if isinstance(hop, Lost):
                 line = f"{liveness.who(prev)} is gone: {one_line(hop.error)}"
                 liveness.fatal(line)
-                raise LockstepLost(line)
+                raise LockstepLost(line) from liveness.exited(prev)  # an exit of this host: its launcher names it
         step, error, out = hop.step, hop.error, None
         if step.stop:
             liveness.stop()

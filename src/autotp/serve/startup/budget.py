@@ -14,11 +14,11 @@ Without `--kv-cache-memory`, the cache holds what `max_num_seqs` full-context ro
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 
 import torch
 
+from autotp import hosts
 from autotp.errors import AutotpError
 from autotp.parallel import stage_io
 from autotp.serve.lockstep.wire import Channel
@@ -118,8 +118,8 @@ def size(net, channel: Channel, rank: int, device: torch.device, opts: ServeOpti
     peak = 0
     if opts.kv_cache_memory is None:
         peak = step_peak(net, min(opts.max_num_batched_tokens, max_model_len or opts.max_num_batched_tokens))
-    hosts = channel.gather(socket.gethostname())  # the ranks of one host share its memory (CPU)
-    here = hosts.count(socket.gethostname())
+    nodes = channel.gather(hosts.key())  # the ranks of one host share its memory (CPU)
+    here = nodes.count(hosts.key())
     costs = channel.gather((per_token, free_bytes(device, opts.gpu_memory_utilization, peak, here)))
     per_token, free = max(c for c, _ in costs), min(f for _, f in costs)
     tokens = kv_tokens(per_token, opts.kv_cache_memory, free, opts.max_num_seqs, max_model_len)
