@@ -317,3 +317,20 @@ def test_a_server_started_without_a_terminal_says_at_once_what_it_loads():
         proc.wait(timeout=60)
     assert first == "autotp serve: loading autotp-demo (tp=2 pp=1) on cpu\n"
     assert started == []  # no rank yet: said before torch's import
+
+
+def test_a_line_to_a_terminal_that_has_closed_is_dropped_not_raised(monkeypatch):
+    """After a hang-up the terminal is gone and a write to it fails (EIO): the launcher's lines, said from its signal
+    handler (a second Ctrl-C or SIGTERM during the drain) or at the end, must not raise there, which turned a drain
+    into 'starting 2 ranks failed', exit 1."""
+    import errno
+    import io
+
+    from autotp import launch
+
+    class Closed(io.StringIO):
+        def write(self, text):
+            raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(sys, "stderr", Closed())
+    launch._say("autotp: second SIGTERM: stopping every rank now")

@@ -75,6 +75,15 @@ def _signal_ranks(sig: int) -> None:
             pass
 
 
+def _say(line: str) -> None:
+    """One line on stderr, which may be a terminal already closed (after its SIGHUP): a failed write there must not
+    turn a drain into an error, least of all inside a signal handler."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except OSError:
+        pass
+
+
 def threads_per_rank(tp: int) -> int:
     """OMP_NUM_THREADS for each of tp CPU ranks when the user set none: the cores this process may use,
     shared (torchrun sets 1, which leaves all but tp cores of a larger machine idle)."""
@@ -196,7 +205,7 @@ def launch(tp: int, argv: list[str], master_port: int | None = None) -> int:
             return
         received.append(sig)
         if len(received) > 1:
-            print(f"autotp: second {signal.Signals(sig).name}: stopping every rank now", file=sys.stderr, flush=True)
+            _say(f"autotp: second {signal.Signals(sig).name}: stopping every rank now")
             _signal_ranks(signal.SIGKILL)
         elif not _ranks():
             raise _Stopped(sig)
@@ -225,13 +234,12 @@ def launch(tp: int, argv: list[str], master_port: int | None = None) -> int:
                 code, lines = outcome({rank: (f.exitcode, f.pid) for rank, f in e.failures.items()}, received,
                                       stalled_ranks(notes))
                 for line in lines:
-                    print(line, file=sys.stderr, flush=True)
+                    _say(line)
                 return code
     except _Stopped as e:
         return 128 + e.sig
     except Exception as e:  # noqa: BLE001 - the agent's own failure (its rendezvous store), in autotp's one line
-        print(f"autotp: error: starting {tp} ranks failed: {type(e).__name__}: {e}".splitlines()[0], file=sys.stderr,
-              flush=True)
+        _say(f"autotp: error: starting {tp} ranks failed: {type(e).__name__}: {e}".splitlines()[0])
         return 1
     finally:
         done.set()
