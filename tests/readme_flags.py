@@ -19,9 +19,14 @@ BEGIN = "<!-- serve flags: made by tests/readme_flags.py from autotp.cli; edit t
 END = "<!-- end of serve flags -->"
 
 
-def serve_parser() -> argparse.ArgumentParser:
+def command_parser(command: str) -> argparse.ArgumentParser:
+    """The parser of `autotp COMMAND`."""
     subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return subparsers.choices["serve"]
+    return subparsers.choices[command]
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    return command_parser("serve")
 
 
 def table() -> str:

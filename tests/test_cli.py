@@ -166,19 +166,20 @@ def test_pip_show_names_the_author_and_the_version_autotp_prints():
 
 def test_help_lists_every_environment_variable_autotp_reads():
     """Every AUTOTP_* name in the package's code, OMP_NUM_THREADS and CC, each with its line, in each command's
-    --help; and no name the code no longer reads."""
-    from autotp.environment import VARIABLES
+    --help; no name the code no longer reads; and none that autotp sets for itself (INTERNAL: not for users)."""
+    from autotp.environment import INTERNAL, VARIABLES
 
     package = ROOT / "src" / "autotp"
     code = "\n".join(p.read_text() for p in package.rglob("*.py") if p.name != "environment.py")
     read = set(re.findall(r"\bAUTOTP_[A-Z_]+\b", code))
-    assert {name for name in VARIABLES if name.startswith("AUTOTP_")} == read
-    assert [name for name in VARIABLES if not re.search(rf"\b{name}\b", code)] == []
+    assert {name for name in VARIABLES | INTERNAL if name.startswith("AUTOTP_")} == read
+    assert [name for name in VARIABLES | INTERNAL if not re.search(rf"\b{name}\b", code)] == []
     for command in ([], ["plan"], ["generate"], ["serve"]):
         out = autotp(*command, "--help")
         shown = out.stdout[out.stdout.index("environment variables:"):].splitlines()[1:]
         assert shown == [line for name, text in VARIABLES.items() for line in (f"  {name}", f"      {text}")]
         assert max(map(len, shown)) <= 80, command
+        assert not [name for name in INTERNAL if name in out.stdout], command
 
 
 def test_the_entry_points_resolve_on_first_use():

@@ -115,3 +115,36 @@ def test_a_port_taken_after_the_early_check_is_still_refused_where_it_is_bound()
                 serve(str(DEMO), "autotp-demo", ServeOptions(port=port, device="cpu"))
     finally:
         distributed.shutdown()
+
+
+def test_a_backend_that_runs_on_cuda_alone_is_refused_on_cpu_before_torch_is_imported():
+    """`--attention varlen --device cpu`: the flags alone decide, so no torch (seconds of imports) before the line,
+    with or without --tp 2."""
+    code = ("import json, sys, autotp.cli\n"
+            "flags = ['serve', '--port', '0', '--attention', 'varlen', '--device', 'cpu']\n"
+            "codes = [autotp.cli.main(flags), autotp.cli.main(flags + ['--tp', '2'])]\n"
+            "print(json.dumps([codes, 'torch' in sys.modules]))\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert out.returncode == 0 and json.loads(out.stdout) == [[2, 2], False], (out.stdout, out.stderr)
+    message = mistakes(0, DEMO)["varlen on a CPU"][1]
+    assert out.stderr.splitlines() == [f"autotp: error: {message}"] * 2, out.stderr
+
+
+def test_the_early_refusal_on_cpu_is_the_backends_own():
+    """preflight.CUDA_ONLY against the backends' table: the backends that refuse a CPU are those it names, and each
+    is refused early in the words its own refuse() says once torch is imported."""
+    import torch
+
+    from autotp.errors import AutotpError
+    from autotp.serve import preflight
+    from autotp.serve.options import ServeOptions
+    from autotp.serve.runner.attention.backends import BACKENDS
+
+    for name, backend in BACKENDS.items():
+        why = backend.refuse(torch.device("cpu"), 256)
+        assert (name in preflight.CUDA_ONLY) == (why is not None), (name, why)
+        if why is not None:
+            with pytest.raises(AutotpError) as refused:
+                preflight.check(ServeOptions(attention=name, device="cpu", port=0), str(DEMO))
+            assert str(refused.value) == why

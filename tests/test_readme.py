@@ -348,10 +348,44 @@ def urllib_open(url: str):
     return urllib.request.urlopen(url, timeout=30)
 
 
+# what a reader cannot open: a tracker's number ("issue 26", "issue-26") or the session that wrote it; other projects'
+# trackers ("pytorch issue 194167") are theirs to cite
+CITED = re.compile(r"(?<!pytorch )(?<!FlashAttention )\bissues? \d+|\bissue-\d+|\bsessions?\b|\blent\b")
+
+
 def test_the_readme_and_the_results_speak_of_the_project_alone():
-    """No "issue 26" a reader cannot open, no session that wrote it: a figure names its benchmark or results run.
-    Run labels, quoted as they stand in the results files, and other projects' trackers may say "issue"."""
+    """No "issue 26" a reader cannot open, no session that wrote it: a figure names its benchmark or results run,
+    and a run's label says what the work was, in RESULTS.md's quotes and in the results file alike ("issue 33:
+    prefix sweep at 41bf72d" stood in both once)."""
     for path in (ROOT / "README.md", ROOT / "benchmarks" / "RESULTS.md"):
-        text = re.sub(r'"[^"]*"', '""', path.read_text())  # quoted run labels, some wrapped over two lines
-        cited = re.findall(r"(?<!pytorch )(?<!FlashAttention )\bissues? \d+|\bissue-\d+|\bsessions?\b|\blent\b", text)
+        cited = CITED.findall(" ".join(path.read_text().split()))  # a label may wrap over two lines
         assert cited == [], (path.name, cited)
+    for path in sorted((ROOT / "benchmarks" / "results").glob("*.json")):
+        results = json.loads(path.read_text())
+        runs = results.get("runs", {}) if isinstance(results, dict) else {}
+        assert [label for label in runs if CITED.search(label)] == [], path.name
+
+
+def test_a_cited_issue_is_found_in_text_and_in_a_label():
+    """The check can fail: a quoted label wrapped over two lines, and a bare number, are both found."""
+    text = 'runs "issue\n38: one group" and issue 53\'s figures; pytorch issue 194167 is pytorch\'s'
+    assert CITED.findall(" ".join(text.split())) == ["issue 38", "issue 53"]
+
+
+def slug(heading: str) -> str:
+    """A heading's anchor as GitHub makes it: lower case, punctuation other than - and _ dropped, spaces as -."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_link_within_the_readme_lands_on_a_heading():
+    """The contents and the cross-references (`[...](#anchor)`) name headings that exist, so that moving or renaming
+    a section cannot leave a link that goes nowhere."""
+    headings, fenced = [], False
+    for line in README.splitlines():
+        fenced ^= line.lstrip().startswith("```")  # a `# comment` in a bash block is no heading
+        if not fenced and (m := re.match(r"#{1,4} (.+)$", line)):
+            headings.append(m.group(1))
+    anchors = {slug(heading) for heading in headings}
+    links = set(re.findall(r"\]\(#([^)]+)\)", README))
+    assert links - anchors == set(), sorted(links - anchors)
+    assert slug("`autotp serve`'s flags") == "autotp-serves-flags"  # what GitHub makes of one

@@ -10,12 +10,14 @@ its model (serve/preflight.py) before the server is imported and before `--tp N`
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import re
 import sys
 import traceback
 
+from autotp import early
 from autotp.errors import AutotpError, one_line
 from autotp.launch import NAMES_EXITS, launch
 
@@ -101,6 +103,8 @@ def cmd_plan(args) -> int:
     device = args.device or ("cuda" if _cuda_available() else "cpu")
     report = plan_report(args.model or default_model(), args.tp, args.dtype, args.quantize, args.group_size, device,
                          args.pp, args.pp_layers)
+    if args.pp == 1:  # the one stage holds every layer (main checked a local config.json; this, a hub id's)
+        early.check_stages(1, args.pp_layers, report["ranks"][0]["layers"][1])
     print(json.dumps(report) if args.json else format_report(report))
     return 0
 
@@ -149,6 +153,8 @@ def cmd_generate(args) -> int:
     distributed.init(args.device)  # first: a hub id is downloaded once per node, the other ranks wait
     model_dir = resolve_model_dir(args.model or default_model(), flag="--model")
     config = load_config(model_dir)  # before AutoTokenizer, which reads config.json too and fails on a bad one
+    if args.pp == 1:  # as main checked a local config.json: here a hub id's (--pp > 1: where the stages are cut)
+        early.check_stages(1, args.pp_layers, getattr(config, "num_hidden_layers", None))
     Checkpoint(model_dir)  # its headers: a config without weights (examples/starcoder) is named so, not as a tokenizer
     tokenizer = _tokenizer(args, model_dir)
     if args.suffix is not None:
@@ -263,12 +269,44 @@ def other_tool_hint(message: str) -> str:
     return ""
 
 
+def flag_hint(message: str, flags: list[str]) -> str:
+    """For argparse's "unrecognized arguments: ...": the closest of `flags` to the first unknown flag that has one
+    (difflib: `--prot` -> `--port`, `--tensor-parallel` -> `--tensor-parallel-size`)."""
+    if not message.startswith("unrecognized arguments:"):
+        return ""
+    for word in message.split()[2:]:
+        close = difflib.get_close_matches(word.split("=", 1)[0], flags, n=1) if word.startswith("--") else []
+        if close:
+            return f" (did you mean {close[0]}?)"
+    return ""
+
+
 class Parser(argparse.ArgumentParser):
     """argparse, but a bad flag is one line, said once (command_line_error), with a hint where the flag is another
-    tool's, and exit 2. argparse's own `PROG: error:` prefix is left out: the line starts `autotp: error:`."""
+    tool's or a mistyped one of the command's, and exit 2. argparse's own `PROG: error:` prefix is left out: the line
+    starts `autotp: error:`. No abbreviations (argparse's allow_abbrev): `--tensor-parallel` is no flag, so that a
+    flag added later cannot change what an abbreviation a user's script already types means."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+        self.argv: list[str] = []
+
+    def parse_args(self, args=None, namespace=None):
+        # the command line, for error(): which command's flags a mistyped one is near
+        self.argv = list(sys.argv[1:] if args is None else args)
+        return super().parse_args(args, namespace)
+
+    def flags(self) -> list[str]:
+        """The flags of the command on the command line (this parser's where none is), hidden ones left out."""
+        parser = self
+        commands = next((a.choices for a in self._actions if isinstance(a, argparse._SubParsersAction)), {})
+        parser = next((commands[word] for word in self.argv if word in commands), self)
+        return [flag for action in parser._actions if action.help != argparse.SUPPRESS
+                for flag in action.option_strings]
 
     def error(self, message: str):
-        raise SystemExit(command_line_error(message + other_tool_hint(message)))
+        hint = other_tool_hint(message) or flag_hint(message, self.flags())
+        raise SystemExit(command_line_error(message + hint))
 
 
 def serve_options(args, starts_ranks: bool = False):
@@ -414,12 +452,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-model-len", type=positive_int,
                      help="prompt + new tokens at most (default: the config's position limit, else the tokenizer's "
                           "model_max_length, else none)")
-    gen.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
-    gen.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
-    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
+    gen.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding (default: greedy)")
+    gen.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
+    gen.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                     help="nucleus sampling: sample among the most likely tokens whose probabilities add up to P "
+                          "(default 1.0: off)")
     gen.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0: off, "
                                                          "as in the server)")
-    gen.add_argument("--num-beams", type=positive_int, default=1, help="beam search width")
+    gen.add_argument("--num-beams", type=positive_int, default=1, help="beam search width (default 1: no beam search)")
     gen.add_argument("--seed", type=int, help="sampling seed (default: drawn on rank 0, shared)")
     gen.add_argument("--compile", action="store_true",
                      help="decode through one graph compiled by torch.compile first (HF's static cache); pays "
@@ -456,7 +496,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="tokens per KV cache block, the unit of prefix caching (default 16)")
     srv.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                      help="compute every prompt in full instead of reusing the cached blocks of an earlier "
-                          "prompt's prefix")
+                          "prompt's prefix (default: reused)")
     srv.add_argument("--speculate", type=non_negative_int, default=SPECULATE, metavar="K",
                      help="up to K tokens per decoding sequence and step guessed from its own prompt and output "
                           "(prompt lookup) and verified in the same forward; the text is the same either way "
@@ -513,6 +553,11 @@ def main(argv: list[str] | None = None) -> int:
         return command_line_error(f"--pp {pp} does not divide the {world} ranks its launcher started "
                                   f"(WORLD_SIZE={world}) into stages of equal size")
     starts_ranks = args.command != "plan" and world is None and ranks_asked(args) > 1
+    try:  # config.json alone decides: before torch, before --tp N starts a rank, and on a launcher's ranks before
+        # the process group forms (said once, by rank 0)
+        early.check_model(args.model or default_model(), pp, args.pp_layers)
+    except (AutotpError, OSError) as e:  # OSError: an unreadable model directory
+        return command_line_error(str(e) if isinstance(e, AutotpError) else f"{type(e).__name__}: {e}")
     if args.command == "serve":  # before torch is imported and before any rank starts: a refusal costs neither
         try:
             args.opts = serve_options(args, starts_ranks)

@@ -1,5 +1,6 @@
 """The environment variables autotp reads, each with one line of what it does: each command's `--help` prints them
-(its epilog), and tests/test_cli.py checks that every `AUTOTP_*` name read under src/ is here and nothing else is.
+(its epilog), and tests/test_cli.py checks that every `AUTOTP_*` name read under src/ is here and nothing else is;
+the ones autotp sets for itself are INTERNAL, kept out of `--help`.
 No torch."""
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ VARIABLES = {  # each text fits one 80-column line under its name; defaults in p
     "GLOO_SOCKET_IFNAME": "the network interface gloo uses (unset: the one that reaches MASTER_ADDR)",
     "AUTOTP_GEMV": "0: serve's few-row products on CPU use torch's F.linear, not gemv.c",
     "AUTOTP_INFERRED_PLANS": "0: refuse a family without a built-in plan instead of inferring one",
-    "AUTOTP_LAUNCHER_NAMES_EXITS": "set by --tp N in its ranks (it names a rank that exits); not for users",
     "OMP_NUM_THREADS": "threads per CPU rank (unset: cores / N under --tp N; torchrun sets 1)",
     "CC": "the C compiler that builds the shared-memory barrier and gemv.c (cc)",
+}
+# read by autotp, set by autotp: not for users, so not in --help
+INTERNAL = {
+    "AUTOTP_LAUNCHER_NAMES_EXITS": "set by --tp N in its ranks (it names a rank that exits)",
 }
 
 

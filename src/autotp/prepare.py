@@ -26,8 +26,9 @@ from autotp.loading.skeleton import skeleton
 from autotp.parallel.layout import Layout, resolve
 from autotp.plans import Plan, plan_for
 from autotp.quant.gptq import GptqFormat
-from autotp.quant.weights import INT4_GROUP, Quant, check_kernel
+from autotp.quant.weights import INT4_GROUP, INT4_GROUPS, Quant, check_kernel
 
+INT4_TPS = 8  # where int4 does not fit at the tp asked for, the tp sizes tried for one that does (a host's GPUs)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -88,6 +89,38 @@ def prepare(tp: int, device_type: str, *, model_dir: str | os.PathLike | None = 
     if gptq is not None:
         check_kernel("int4", device_type, held, "a GPTQ checkpoint")
     net = model if model is not None else skeleton(config, held, buffers=buffers)
-    layout = resolve(net, plan, tp, ckpt, quant, dtype=asked if model is not None else None,
-                     device_type=device_type, gptq=gptq)
+    kwargs = dict(dtype=asked if model is not None else None, device_type=device_type, gptq=gptq)
+    try:
+        layout = resolve(net, plan, tp, ckpt, quant, **kwargs)
+    except AutotpError as e:
+        if quant is None or quant.kind != "int4":
+            raise
+        resolve(net, plan, tp, ckpt, None, **kwargs)  # what fails without int4 is said as it is
+        raise AutotpError(getattr(e, "reason", str(e)) + _int4_fits(net, plan, tp, ckpt, kwargs)) from None
     return Prepared(config, plan, held, quant, gptq, ckpt, net, layout)
+
+
+def _int4_fits(net: nn.Module, plan: Plan, tp: int, ckpt: Checkpoint | None, kwargs: dict) -> str:
+    """Where int4 does not fit at `tp`, the advice that does, tried on the whole model (every tensor's groups whole
+    on every rank, every slice a shape the device's kernel packs): the group sizes that fit at this tp, else the tp
+    sizes up to INT4_TPS that some group size fits, so that one refusal names what works. A few ms per try."""
+
+    def fits(t: int, group: int) -> bool:
+        try:
+            resolve(net, plan, t, ckpt, Quant("int4", group), **kwargs)
+        except AutotpError:
+            return False
+        return True
+
+    here = [g for g in INT4_GROUPS if fits(tp, g)]
+    if here:
+        return f": at tp {tp} use --group-size {' or '.join(map(str, here))}, or --quantize int8"
+    top = min(INT4_TPS, plan.num_heads)
+    groups = {t: [g for g in INT4_GROUPS if fits(t, g)] for t in range(1, top + 1)}  # tp: none fit, by now
+    tps = [t for t, fitting in groups.items() if fitting]
+    if not tps:
+        return f": no int4 group size fits this model at tp 1 to {top}: use --quantize int8"
+    common = [g for g in INT4_GROUPS if all(g in groups[t] for t in tps)]
+    sizes = f"with --group-size {' or '.join(map(str, common))}" if common else "each with a --group-size of its own"
+    return (f": no int4 group size fits this model at tp {tp}; tp {' or '.join(map(str, tps))} do, {sizes}, or use "
+            f"--quantize int8")

@@ -169,6 +169,15 @@ def _quant_targets(model: nn.Module, swaps, quant: Quant, gptq: bool = False) ->
             for path, style in swaps if getattr(style, "quantizable", False)}
 
 
+class GroupError(AutotpError):
+    """int4 groups that do not fit a tensor: the message is `reason` and this tensor's advice; prepare.py, which can
+    try every tp and group size, replaces the advice with the ones that fit the whole model."""
+
+    def __init__(self, reason: str, advice: str):
+        super().__init__(reason + advice)
+        self.reason = reason
+
+
 def _check_groups(name: str, shape: tuple[int, ...], shards: tuple[TensorShard, ...], target: QuantTarget,
                   tp: int) -> None:
     """Every rank's inputs whole int4 groups (a GPTQ slice is read in whole groups; the kernel runs whole ones)."""
@@ -180,14 +189,15 @@ def _check_groups(name: str, shape: tuple[int, ...], shards: tuple[TensorShard, 
         fitting = [g for g in INT4_GROUPS if inputs % g == 0]
         advice = ("" if target.gptq else ": " + (f"use --group-size {' or '.join(map(str, fitting))}" if fitting
                                                   else "no int4 group size divides it") + ", or --quantize int8")
-        raise AutotpError(f"{what} {name} in groups of {group} input features, but it has {inputs}{advice}")
+        raise GroupError(f"{what} {name} in groups of {group} input features, but it has {inputs}", advice)
     for rank, shard in enumerate(shards):
         cols = shard.ranges if shard.dim == in_dim else [(0, inputs)]
         if any(a % group or b % group for a, b in cols):
             a, b = next((a, b) for a, b in cols if a % group or b % group)
-            raise AutotpError(f"{what} {name} in groups of {group} input features, but at tp {tp} rank {rank} holds "
-                              f"inputs {a}:{b} of {inputs}, which splits a group: choose a tp whose split keeps whole "
-                              "groups" + ("" if target.gptq else ", or --quantize int8"))
+            raise GroupError(f"{what} {name} in groups of {group} input features, but at tp {tp} rank {rank} holds "
+                             f"inputs {a}:{b} of {inputs}, which splits a group",
+                             ": choose a tp whose split keeps whole groups"
+                             + ("" if target.gptq else ", or --quantize int8"))
 
 
 def _check_quantizable(param: Param, tp: int, device_type: str) -> None:

@@ -1,5 +1,6 @@
-"""What `autotp serve` refuses before it loads anything: an attention backend this device cannot run, a port it
-cannot listen on, a model or tokenizer directory that is not there.
+"""What `autotp serve` refuses before it loads anything: an attention backend this device cannot run (one that
+runs on CUDA alone asked for with `--device cpu`: from the flags, before torch is imported), a port it cannot
+listen on, a model or tokenizer directory that is not there.
 
 The command line asks `check` before it imports the server (transformers' model code, FastAPI, uvicorn) and, with
 `--tp N`, before it starts a rank, so each of these mistakes is one line within a second or two of the command,
@@ -27,6 +28,10 @@ NO_TOKENIZER = "autotp serve needs a tokenizer, and none loads from {source} ({c
 # SentencePiece's tokenizer.model / spiece.model, tiktoken files): a directory with none of them is asked of the
 # tokenizer loader at once, which refuses it in server.py's words; one with any of them is left to server.py
 TOKENIZER_FILES = ("tokenizer*", "vocab*", "merges.txt", "*.model", "*.tiktoken")
+# backends that run on CUDA alone, and whose kernel it is: `--device cpu` asking for one is refused from the flags,
+# before torch is imported (runner/attention/varlen.Varlen.refuse says the same once it is; tests/test_preflight.py
+# holds the two to one another)
+CUDA_ONLY = {"varlen": "FlashAttention-2"}
 
 
 def check(opts: ServeOptions, model: str, starts_ranks: bool = False) -> None:
@@ -63,6 +68,9 @@ def _attention(opts: ServeOptions, starts_ranks: bool) -> None:
     """The backend's own refusals (runner/attention/backends.choose) on the device this rank will run on."""
     if opts.attention == "sdpa":  # runs everywhere: no device to look at
         return
+    if opts.device == "cpu" and opts.attention in CUDA_ONLY:  # the flags alone decide: no torch to import
+        raise AutotpError(f"--attention {opts.attention} runs on CUDA only ({CUDA_ONLY[opts.attention]}), not on cpu: "
+                          f"use --attention sdpa")
     from autotp.distributed import resolve_device
 
     device = resolve_device(opts.device, int(os.environ.get("LOCAL_RANK", "0")))
