@@ -65,6 +65,18 @@ def test_a_hub_ids_config_is_checked_where_it_is_fetched(capsys, monkeypatch):
         assert code == 2 and err.splitlines() == [f"autotp: error: {SUM.format(given=3, total=3)}"], (command, err)
 
 
+def test_the_librarys_from_pretrained_refuses_pp_layers_that_miss_a_layer_at_pp_1():
+    """A script's own from_pretrained (and serve, which loads through it, with a hub id no early check could read):
+    pp_layers=(3,) on the 4-layer demo model at pp 1 is refused, not silently ignored; (4,) loads."""
+    import autotp
+    from autotp.errors import AutotpError
+
+    with pytest.raises(AutotpError) as refused:
+        autotp.from_pretrained(str(DEMO), pp_layers=(3,))
+    assert str(refused.value) == SUM.format(given=3, total=3)
+    assert autotp.from_pretrained(str(DEMO), pp_layers=(4,)).config.n_layer == 4
+
+
 @pytest.mark.timeout(120)
 def test_under_torchrun_rank_0_refuses_the_pipeline_before_the_model_is_read(tmp_path):
     """Each rank runs the command itself and refuses before its process group forms; rank 0 says it, once, and no

@@ -89,6 +89,8 @@ def from_pretrained(model: str | os.PathLike, dtype: str | torch.dtype | None = 
     p = prepare(tp, world.device.type, model_dir=resolve_model_dir(model), dtype=dtype, quantize=quantize,
                 group_size=group_size)  # all checked before reading
     stages, stage, layout = None, 0, p.layout
+    if pp_size == 1 and pp_layers is not None:  # one stage, which pp_layers must give every layer (or refused)
+        Stages.split(1, tp, len(decoder_layers(p.model, p.plan)), pp_layers)
     if pp_size > 1:
         stages = Stages.split(pp_size, tp, len(decoder_layers(p.model, p.plan)), pp_layers)
         stage = stages.stage(world.rank)
