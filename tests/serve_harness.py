@@ -67,9 +67,10 @@ class Server:
         dtype = ["--dtype", dtype] if dtype and "--dtype" not in args else []
         cmd = [*launcher, *entry, "serve", *model, "--port", "0", "--max-num-seqs", "8", *dtype, *args,
                *(["--tp", str(ranks)] if tp_flag else [])]
+        # no terminal on stdin, as under a service manager or `&` in a script: nohup then adds no line of its own
         with open(log, "wb") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**ENV, **(env or {})},
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                         env={**ENV, **(env or {})}, start_new_session=True)
         if wait:
             self.up()
 
