@@ -80,7 +80,7 @@ class Server:
         while not (found := re.search(r"on (http://127\.0\.0\.1:(\d+))", self.text())):
             assert self.proc.poll() is None, f"server exited {self.proc.returncode}:\n{self.text()[-3000:]}"
             assert time.monotonic() < deadline, f"server not up after {START_TIMEOUT_S}s:\n{self.text()[-3000:]}"
-            time.sleep(0.2)
+            time.sleep(0.05)
         self.url, self.port = found.group(1), int(found.group(2))
         self.ranks = children(self.proc.pid)
         self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.api_key, max_retries=0, timeout=60)
