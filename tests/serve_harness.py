@@ -67,10 +67,13 @@ class Server:
         dtype = ["--dtype", dtype] if dtype and "--dtype" not in args else []
         cmd = [*launcher, *entry, "serve", *model, "--port", "0", "--max-num-seqs", "8", *dtype, *args,
                *(["--tp", str(ranks)] if tp_flag else [])]
-        # no terminal on stdin, as under a service manager or `&` in a script: nohup then adds no line of its own
+        # no terminal on stdin, as under a service manager or `&` in a script: nohup then adds no line of its own.
+        # SIGHUP as a shell leaves it (not ignored) even where pytest itself runs under nohup, or a hung-up server
+        # would outlive its test's wait
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                         env={**ENV, **(env or {})}, start_new_session=True)
+                                         env={**ENV, **(env or {})}, start_new_session=True,
+                                         preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
         if wait:
             self.up()
 

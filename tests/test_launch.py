@@ -118,7 +118,8 @@ def test_a_terminal_that_closes_drains_the_server_and_exits_129():
     stream was cut and it was `starting 2 ranks failed: SignalException ...`, exit 1."""
     port = free_port()
     pid, terminal = pty.fork()
-    if pid == 0:  # the terminal's process, as a shell would exec it
+    if pid == 0:  # the terminal's process, as a shell would exec it (SIGHUP not ignored, also under a nohup pytest)
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
         os.environ["OMP_NUM_THREADS"] = "1"
         os.execv(sys.executable, [sys.executable, "-m", "autotp", "serve", "--tp", "2", "--port", str(port)])
     try:
