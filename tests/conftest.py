@@ -9,11 +9,12 @@ from pool import RankPool
 
 
 def pytest_configure(config):
-    """In each of pytest-xdist's workers (pyproject's addopts: two): one thread, for the worker's own torch and for
-    every rank or server its tests start, so that two workers on two cores do not each run two OpenMP threads."""
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        os.environ["OMP_NUM_THREADS"] = "1"
-        torch.set_num_threads(1)
+    """One thread, for the session's own torch and for every rank or server its tests start: in each of
+    pytest-xdist's workers (pyproject's addopts: two), so that two workers on two cores do not each run two OpenMP
+    threads, and with `-n 0` too, where torch's two threads on a busy machine wait for each other: measured there
+    (load 5-7), test_continuous.py's in-process tests took 129-136 s with two, 48 s with one."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -72,9 +72,13 @@ class Server:
         dtype = ["--dtype", dtype] if dtype and "--dtype" not in args else []
         cmd = [*launcher, *entry, "serve", *model, "--port", "0", "--max-num-seqs", "8", *dtype, *args,
                *(["--tp", str(ranks)] if tp_flag else [])]
+        # no terminal on stdin, as under a service manager or `&` in a script: nohup then adds no line of its own.
+        # SIGHUP as a shell leaves it (not ignored) even where pytest itself runs under nohup, or a hung-up server
+        # would outlive its test's wait
         with open(log, "wb") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**ENV, **(env or {})},
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                         env={**ENV, **(env or {})}, start_new_session=True,
+                                         preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
         if wait:
             self.up()
 
@@ -84,7 +88,7 @@ class Server:
         while not (found := re.search(r"on (http://127\.0\.0\.1:(\d+))", self.text())):
             assert self.proc.poll() is None, f"server exited {self.proc.returncode}:\n{self.text()[-3000:]}"
             assert time.monotonic() < deadline, f"server not up after {START_TIMEOUT_S}s:\n{self.text()[-3000:]}"
-            time.sleep(0.2)
+            time.sleep(0.05)
         self.url, self.port = found.group(1), int(found.group(2))
         self.ranks = children(self.proc.pid)
         self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.api_key, max_retries=0, timeout=60)
