@@ -21,11 +21,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 START_TIMEOUT_S = 180
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-# A command with SIGHUP at its default, however the tests were started: an ignored signal stays ignored across exec,
-# so under `nohup pytest` every server would ignore a hang-up (autotp keeps nohup's choice) and a test of one hang
-# until its timeout. Popen resets SIGPIPE and SIGXFSZ only. Tests that want nohup's prefix it after this.
-DEFAULT_HUP = [sys.executable, "-c", "import os, signal, sys; signal.signal(signal.SIGHUP, signal.SIG_DFL); "
-                                     "os.execvp(sys.argv[1], sys.argv[1:])"]
 
 
 def children(pid: int) -> list[int]:
@@ -66,7 +61,7 @@ class Server:
         self.model_id, self.log, self.api_key = Path(model_dir).name if model_dir else "autotp-demo", log, api_key
         entry = [script] if script else ["-m", "autotp"]
         model = ["--model", model_dir] if model_dir else []
-        launcher = [*DEFAULT_HUP, *prefix] + ([sys.executable] if tp_flag or not torchrun else
+        launcher = [*prefix] + ([sys.executable] if tp_flag or not torchrun else
                     [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port",
                      str(free_port())])
         dtype = ["--dtype", dtype] if dtype and "--dtype" not in args else []

@@ -1,5 +1,5 @@
-"""Hang-ups as `autotp serve` takes them, whatever the tests were started under (serve_harness.DEFAULT_HUP: SIGHUP at
-its default in each server, unless a test starts it under nohup).
+"""Hang-ups as `autotp serve` takes them, whatever the tests were started under (serve_harness.Server resets SIGHUP to
+its default in each server it starts, unless a test starts it under nohup).
 
 The rule: a SIGHUP drains the server (the requests in flight run to their end) and it exits 129; a second SIGHUP
 changes nothing (a closing terminal sends two: its shell's and the kernel's), where a second Ctrl-C or SIGTERM stops
