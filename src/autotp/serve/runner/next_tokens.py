@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from autotp.errors import one_line
+from autotp.sampling import infill
 from autotp.sampling.sampler import RowSampler, SampleError, draws, read
 from autotp.serve.lockstep.step import NewRequest, Sampled, StepResult
 from autotp.serve.types import TokenLogprob
@@ -109,12 +110,16 @@ class Group:
 class NextTokens:
     """The sampling rank's requests (`add` when new, `drop` when they end) and their next tokens (`plan`, `take`)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, tokenizer=None):
         self.device = device
         self.requests: dict[int, Sampling] = {}
+        self.tokenizer = tokenizer  # the infill sampler's token texts come from it, once, when a request first asks
+        self.pieces: list[bytes] | None = None
 
     def add(self, new: NewRequest) -> None:
-        self.requests[new.id] = Sampling(RowSampler(new.sampling, self.device), new.logprobs, new.prompt)
+        if new.sampling.infill and self.pieces is None and self.tokenizer is not None:
+            self.pieces = infill.token_bytes(self.tokenizer)
+        self.requests[new.id] = Sampling(RowSampler(new.sampling, self.device, self.pieces), new.logprobs, new.prompt)
 
     def drop(self, request: int) -> None:
         self.requests.pop(request, None)
