@@ -13,9 +13,11 @@ touches a tensor. Per step:
   and of prompt tokens where a request asked for them (the column at position j scores the prompt's token j + 1).
 
 Everything is computed on the device and read back in one host sync per step (on CUDA a `.tolist()` waits for the
-device: one wait, not one per row). The index arrays it needs cross to the device with the step's own (`plan`, before
-the forward). What one group of requests raises here (an allocation for a long prompt's scores) fails those requests
-only, with their error in their `Sampled`; the ranks ran the same forward, so they stay in lockstep.
+device: one wait, not one per row), but for a request with llama.cpp's infill sampler in its chain (llama.vim's):
+its candidates are read back to the host, one more wait per such request and step (sampler.RowSampler.draw_infill).
+The index arrays it needs cross to the device with the step's own (`plan`, before the forward). What one group of
+requests raises here (an allocation for a long prompt's scores) fails those requests only, with their error in their
+`Sampled`; the ranks ran the same forward, so they stay in lockstep.
 """
 
 from __future__ import annotations
