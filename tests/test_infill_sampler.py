@@ -95,6 +95,45 @@ def test_the_sampler_draws_only_from_what_infill_keeps_and_greedy_takes_its_like
     assert plain & {4, 5}
 
 
+@pytest.mark.timeout(10)
+def test_after_a_temperature_in_the_chain_infill_decides_on_the_scaled_probabilities():
+    """Three texts of 0.3 and EOG 0.1: at temperature 1 EOG wins (3 * 0.1 * 4 > 0.9), so a row whose chain puts
+    temperature after infill only ever ends; at 0.5 (temperature first in the chain) the squares, 0.09 each and 0.01,
+    give EOG 0.036 (0.43 < 0.96): the texts stay, and are drawn."""
+    scores = torch.tensor(logits([0.3, 0.3, 0.3, 0.1]))
+    pieces = [b"a", b"b", b"c", b""]
+    after = {sample([RowSampler(SamplingParams(0.5, seed=s, infill=(3,)), pieces=pieces)], scores[None])[0]
+             for s in range(10)}
+    first = {sample([RowSampler(SamplingParams(0.5, seed=s, infill=(3,), infill_scaled=True), pieces=pieces)],
+                    scores[None])[0] for s in range(10)}
+    assert after == {3} and first & {0, 1, 2}
+
+
+@pytest.mark.timeout(30)
+def test_the_chain_says_where_infill_applies_and_what_it_sees(tmp_path):
+    """llama.vim's chain: infill with the eos (EOT) first, then the FIM sentinels, on temperature-1 probabilities;
+    temperature before infill: on the scaled ones, and none at all where a greedy temperature or a top-p of 0 before
+    it leaves it one candidate (which it keeps); after infill, greedy keeps it; a chain without it, none."""
+    tok = fim_model.tokenizer(tmp_path)
+    served = Served("m", tok, CONTEXT, 0, 10**6, len(tok))
+    eog = (tok.eos_token_id, *fim.stop_ids(tok))
+
+    def row(**body):
+        base = {"input_prefix": "def f(", "input_suffix": ")\n", "n_predict": 4}
+        (r,) = llama_api.parse_infill(json.dumps(base | body).encode(), served).rows
+        return r.infill, r.infill_scaled
+
+    assert row(samplers=["top_k", "top_p", "infill"]) == (eog, False) and eog[0] == tok.eos_token_id
+    assert row(samplers="kpi") == (eog, False)  # the chain as letters
+    assert row(samplers=["temperature", "infill"], temperature=0.5) == (eog, True)
+    assert row(samplers=["temperature", "infill"], temperature=0.0) == ((), False)
+    assert row(samplers=["top_p", "infill"], top_p=0.0) == ((), False)
+    assert row(samplers=["infill", "top_p"], top_p=0.0) == (eog, False)
+    assert row(samplers=["infill", "temperature"], temperature=0.0) == (eog, False)
+    assert row(samplers=["top_k", "top_p"]) == ((), False)
+    assert row() == ((), False)  # llama-server's default chain has no infill
+
+
 @pytest.mark.timeout(30)
 def test_token_texts_are_the_bytes_each_id_decodes_to_and_special_tokens_have_none(tmp_path):
     tok = fim_model.tokenizer(tmp_path)

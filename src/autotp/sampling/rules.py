@@ -36,6 +36,7 @@ class SamplingParams:
     seed: int = 0
     # llama.cpp's infill sampler after top-k and top-p (infill.py): the ids that end the row, EOT first; () off
     infill: tuple[int, ...] = ()
+    infill_scaled: bool = False  # temperature comes before infill in the chain: infill sees the scaled probabilities
 
 
 @dataclass(frozen=True)

@@ -78,14 +78,15 @@ class RowSampler:
         """A draw with llama.cpp's infill sampler after top-k and top-p (infill.py), or None where no score is
         finite (the plain draw reports the row's failure). It reads the candidates back to the host: one wait
         for the device per infill row and step. Which candidates stay is decided on their temperature-1
-        probabilities (llama-server's chains put temperature after infill, llama.vim's has none); what stays is
-        drawn from at the row's temperature, or, greedy, the likeliest is taken."""
+        probabilities (llama-server's chains put temperature after infill, llama.vim's has none), or on the row's
+        temperature's where the chain put temperature first (`infill_scaled`); what stays is drawn from at the row's
+        temperature, or, greedy, the likeliest is taken."""
         if self.pieces is None:
             raise RuntimeError("the infill sampler needs the tokenizer's token texts, which this runner was not given")
         greedy = self.generator is None
         warped = self.warp(scores, 1.0 if greedy else None)
         ids = torch.nonzero(torch.isfinite(warped))[:, 0]
-        raw = scores.float().index_select(0, ids)
+        raw = (warped if self.params.infill_scaled else scores.float()).index_select(0, ids)
         values = raw.tolist()
         if not values:  # no finite score at all: the plain draw fails the row
             return None

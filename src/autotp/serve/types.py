@@ -32,6 +32,7 @@ class Row:
     newline_deadline_s: float = 0.0  # t_max_predict_ms / 1000: end the row at a newline once this long has
     # passed since its first token (0: off)
     infill: tuple[int, ...] = ()  # llama.cpp's infill sampler in the chain: the ids that end the row, EOT first
+    infill_scaled: bool = False  # temperature comes before it in the chain
 
 
 def kv_slots(prompt_tokens: int, max_tokens: int) -> int:

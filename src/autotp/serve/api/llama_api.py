@@ -176,7 +176,6 @@ class Asked:
                 raise invalid(name, f"{name} must be at least 0, got {getattr(body, name)}")
         self.indent, self.deadline_s = body.n_indent or 0, (body.t_max_predict_ms or 0) / 1000
         self.samplers = [s for s in chain if s in APPLIED or s == "infill"]
-        self.eog = _eog(served) if "infill" in chain else ()
         value = {k: getattr(body, k) if getattr(body, k) is not None else DEFAULTS[k] for k in DEFAULTS}
         temperature = max(value["temperature"], 0.0) if "temperature" in chain else 1.0  # below 0: greedy
         top_k = max(value["top_k"], 0) if "top_k" in chain else 0  # 0 or less: off
@@ -185,6 +184,12 @@ class Asked:
             temperature, top_p = 0.0, 1.0
         seed = None if body.seed in RANDOM_SEEDS else body.seed
         self.sampling = sampling(served, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=1)
+        before = chain[:chain.index("infill")] if "infill" in chain else ()
+        greedy = self.sampling.temperature == 0
+        # a greedy temperature or a top-p of 0 before infill leaves it one candidate, which it keeps: no effect
+        alone = ("temperature" in before and greedy) or ("top_p" in before and value["top_p"] <= 0)
+        self.eog = _eog(served) if "infill" in chain and not alone else ()
+        self.scaled = "temperature" in before and not greedy  # infill sees the scaled probabilities
         given = [body.stop] if isinstance(body.stop, str) else body.stop or []
         words = [w for w in given if w]  # llama-server skips an empty stop word
         if len(words) > MAX_STOP:
@@ -197,7 +202,8 @@ class Asked:
     def rows(self, ids: tuple[int, ...], max_tokens: int, stops: tuple[int, ...]) -> list[Row]:
         s = self.sampling
         return [Row(ids, max_tokens, s.temperature, s.top_p, seed, self.stop, s.top_k, stop_ids=stops,
-                    indent=self.indent, newline_deadline_s=self.deadline_s, infill=self.eog)
+                    indent=self.indent, newline_deadline_s=self.deadline_s, infill=self.eog,
+                    infill_scaled=self.scaled)
                 for seed in seeds(s.seed, self.n)]
 
 
