@@ -148,6 +148,26 @@ def test_token_texts_are_the_bytes_each_id_decodes_to_and_special_tokens_have_no
     assert any(p.startswith(b"\n") for p in pieces)  # and 'Ċ' a newline
 
 
+class SentencePiece:
+    """What token_bytes reads of a SentencePiece tokenizer (Llama's, CodeLlama's): U+2581 a space, <0x0A> a byte."""
+
+    all_special_ids = [0]
+    added_tokens_decoder: dict = {}
+    tokens = ["<s>", "\u2581def", "<0x0A>", "\u00e9", "ab"]
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def convert_ids_to_tokens(self, ids):
+        return [self.tokens[i] for i in ids]
+
+
+@pytest.mark.timeout(10)
+def test_sentencepiece_texts_are_utf8_with_spaces_and_raw_bytes():
+    """An e with an acute accent is UTF-8's two bytes here (a byte-level vocabulary would make it the byte 0xE9)."""
+    assert infill.token_bytes(SentencePiece()) == [b"", b" def", b"\n", b"\xc3\xa9", b"ab"]
+
+
 # --- through the server --------------------------------------------------------------------------------------------
 
 CONTEXT = 512

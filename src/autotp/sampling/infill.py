@@ -26,15 +26,17 @@ FIRST_THRESHOLD = np.float32(0.2)
 
 def token_bytes(tokenizer) -> list[bytes]:
     """Each id's text as llama.cpp's token_to_piece (special=false) gives it: the bytes it decodes to, none for a
-    special token. Byte-level BPE maps each character back to its byte (GPT-2's table); SentencePiece writes a space
-    as '▁' and a raw byte as <0xNN>."""
+    special token. Byte-level BPE maps each character back to its byte (GPT-2's table); SentencePiece (a vocabulary
+    that writes a space as U+2581) writes a raw byte as <0xNN> and any other text as itself."""
     byte_of = {c: b for b, c in _byte_level().items()}
     special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    byte_level = not any("\u2581" in t for t in tokens if t)
     out = []
-    for i, token in enumerate(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))):
+    for i, token in enumerate(tokens):
         if i in special or token is None:
             out.append(b"")
-        elif all(c in byte_of for c in token):
+        elif byte_level and all(c in byte_of for c in token):
             out.append(bytes(byte_of[c] for c in token))
         elif len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
             out.append(bytes([int(token[3:5], 16)]))
