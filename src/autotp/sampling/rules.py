@@ -34,6 +34,9 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0: off
     seed: int = 0
+    # llama.cpp's infill sampler after top-k and top-p (infill.py): the ids that end the row, EOT first; () off
+    infill: tuple[int, ...] = ()
+    infill_scaled: bool = False  # temperature comes before infill in the chain: infill sees the scaled probabilities
 
 
 @dataclass(frozen=True)

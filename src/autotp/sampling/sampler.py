@@ -3,7 +3,8 @@
 A row's draw depends only on its scores, its parameters and its own seeded generator, never on the other
 rows of a batch, so the same prompt, parameters and seed give the same text through every front end
 (the CLI and the helper run it as an HF logits processor, the server calls it in its own decode loop).
-Order as in HF: temperature, then top-k, then top-p (nucleus), then one multinomial draw.
+Order as in HF: temperature, then top-k, then top-p (nucleus), then one multinomial draw; where a row asks for it,
+llama.cpp's infill sampler (infill.py) decides after top-p which candidates stay (`RowSampler.draw_infill`).
 
 A row whose scores are NaN or +inf anywhere, or all -inf, cannot be sampled (nor argmax'ed meaningfully):
 `pick` reports it as failed instead of raising, so one bad row never takes its batch down. The rules on
@@ -19,6 +20,7 @@ from __future__ import annotations
 import torch
 from transformers import LogitsProcessor
 
+from autotp.sampling import infill
 from autotp.sampling.rules import SamplingParams
 
 
@@ -29,20 +31,22 @@ class SampleError(Exception):
 class RowSampler:
     """One row's draws: scores (vocab,) -> token id, from the row's own generator seeded once."""
 
-    def __init__(self, params: SamplingParams, device: torch.device | str = "cpu"):
+    def __init__(self, params: SamplingParams, device: torch.device | str = "cpu", pieces: list[bytes] | None = None):
         self.params = params
+        self.pieces = pieces  # each id's text, for llama.cpp's infill sampler (infill.py) where params.infill asks
         self.generator = None
         if params.temperature > 0:
             self.generator = torch.Generator(device=device).manual_seed(params.seed)
 
-    def warp(self, scores: torch.Tensor) -> torch.Tensor:
+    def warp(self, scores: torch.Tensor, temperature: float | None = None) -> torch.Tensor:
         """scores (vocab,) -> the logits the draw's softmax takes, -inf where top-k or top-p exclude a token:
         transformers' TemperatureLogitsWarper, TopKLogitsWarper and TopPLogitsWarper (min_tokens_to_keep 1),
         operation for operation, so the same scores give the same distribution bit for bit, ties and top-p
         boundaries included (tests/test_sampler_oracle.py). Temperatures below sampling.GREEDY_BELOW never
-        reach here (greedy), so scores / temperature stays finite."""
+        reach here (greedy; the infill sampler's candidates are top-k's and top-p's at `temperature` 1), so
+        scores / temperature stays finite."""
         p = self.params
-        logits = scores.float() / p.temperature
+        logits = scores.float() / (p.temperature if temperature is None else temperature)
         if 0 < p.top_k:
             kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -70,6 +74,30 @@ class RowSampler:
         usable = torch.where(ok, probs, torch.ones_like(probs))
         return torch.multinomial(usable, 1, generator=self.generator)[0], ok
 
+    def draw_infill(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A draw with llama.cpp's infill sampler after top-k and top-p (infill.py), or None where no score is
+        finite (the plain draw reports the row's failure). It reads the candidates back to the host: one wait
+        for the device per infill row and step. Which candidates stay is decided on their temperature-1
+        probabilities (llama-server's chains put temperature after infill, llama.vim's has none), or on the row's
+        temperature's where the chain put temperature first (`infill_scaled`); what stays is drawn from at the row's
+        temperature, or, greedy, the likeliest is taken."""
+        if self.pieces is None:
+            raise RuntimeError("the infill sampler needs the tokenizer's token texts, which this runner was not given")
+        greedy = self.generator is None
+        warped = self.warp(scores, 1.0 if greedy else None)
+        ids = torch.nonzero(torch.isfinite(warped))[:, 0]
+        raw = (warped if self.params.infill_scaled else scores.float()).index_select(0, ids)
+        values = raw.tolist()
+        if not values:  # no finite score at all: the plain draw fails the row
+            return None
+        kept = infill.keep(ids.tolist(), values, self.params.infill, self.pieces)
+        ok = torch.ones((), dtype=torch.bool, device=scores.device)
+        if greedy or len(kept) == 1:  # kept is likeliest first; a lone EOT may be no candidate at all
+            return torch.tensor(kept[0], device=scores.device), ok
+        chosen = torch.tensor(kept, device=scores.device)
+        logits = torch.full_like(warped, float("-inf")).index_copy(0, chosen, warped.index_select(0, chosen))
+        return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=self.generator)[0], ok
+
 
 INVALID = "probability tensor contains either `inf`, `nan` or element < 0"  # what CPU's multinomial says
 
@@ -88,7 +116,10 @@ def draws(rows: list[RowSampler], scores: torch.Tensor) -> torch.Tensor:
     ok = torch.isfinite(top)
     drawn = ok.clone()
     for i, row in enumerate(rows):
-        if row.generator is not None:
+        infilled = row.draw_infill(scores[i]) if row.params.infill else None
+        if infilled is not None:
+            tokens[i], drawn[i] = infilled
+        elif row.generator is not None:
             tokens[i], drawn[i] = row.draw(scores[i])
     return torch.stack([tokens.double(), ok.double(), drawn.double(), top.double()], dim=1)
 

@@ -162,6 +162,8 @@ def serve(model: str, model_id: str, opts: ServeOptions = ServeOptions()) -> int
     limits = Limits(opts.max_num_seqs, opts.max_num_batched_tokens, cache.tokens)
     runner, scheduler = parts(net, cache.shapes, limits, opts.block_size, opts.prefix_caching, env.rank == 0,
                               opts.speculate, attention.name, stages is None or env.rank == stages.sampler, opts.pp)
+    if runner.next_tokens is not None:  # the infill sampler reads its token texts from it (sampling/infill.py)
+        runner.next_tokens.tokenizer = tokenizer
     if stages is not None:  # every rank makes the pipeline's groups: stage 0's channel, the links between stages
         stage0 = Channel(stages.ranks(0))
         links = Links(env.rank, stages.next_rank(env.rank), stages.prev_rank(env.rank), stages.sampler)

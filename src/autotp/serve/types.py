@@ -31,6 +31,8 @@ class Row:
     indent: int = 0  # n_indent: end the row before the first character of a line indented less (0: off)
     newline_deadline_s: float = 0.0  # t_max_predict_ms / 1000: end the row at a newline once this long has
     # passed since its first token (0: off)
+    infill: tuple[int, ...] = ()  # llama.cpp's infill sampler in the chain: the ids that end the row, EOT first
+    infill_scaled: bool = False  # temperature comes before it in the chain
 
 
 def kv_slots(prompt_tokens: int, max_tokens: int) -> int:

@@ -12,9 +12,11 @@ format_prompt_infill and json_get_nested_values, server-context.cpp):
   fits, stop_type "limit", truncated true. `n_cmpl` (or `n`): several completions of one prompt, computed once
   through the prefix cache, answered as an array (several prompts of /completion too).
 - Sampling follows the chain: `samplers` (default llama-server's) says which of top_k, top_p, temperature apply;
-  a chain without "temperature" samples at 1.0, as llama.cpp's does. "infill", "dry", "typ_p", "min_p", "xtc",
-  "top_n_sigma" and "penalties" are accepted but not applied; a request that sets one of their parameters to a
-  value that would change anything, with that sampler in its chain, is refused. seed -1 (and 4294967295): random.
+  a chain without "temperature" samples at 1.0, as llama.cpp's does. "infill" (llama.vim's chain ends with it)
+  applies llama.cpp's infill sampler after top-k and top-p (sampling/infill.py): it ends the middle where end of
+  generation outweighs the text. "dry", "typ_p", "min_p", "xtc", "top_n_sigma" and "penalties" are accepted but not
+  applied; a request that sets one of their parameters to a value that would change anything, with that sampler in
+  its chain, is refused. seed -1 (and 4294967295): random.
 - `response_fields` picks fields, "timings/prompt_n" moved to the top level under that name; a field that does not
   exist is left out ([""]: `{}`, llama.vim's prepare request). A whole answer is compact JSON (`compact`): llama.vim
   drops any answer without `"content":"` in it.
@@ -173,7 +175,7 @@ class Asked:
             if (getattr(body, name) or 0) < 0:
                 raise invalid(name, f"{name} must be at least 0, got {getattr(body, name)}")
         self.indent, self.deadline_s = body.n_indent or 0, (body.t_max_predict_ms or 0) / 1000
-        self.samplers = [s for s in chain if s in APPLIED]
+        self.samplers = [s for s in chain if s in APPLIED or s == "infill"]
         value = {k: getattr(body, k) if getattr(body, k) is not None else DEFAULTS[k] for k in DEFAULTS}
         temperature = max(value["temperature"], 0.0) if "temperature" in chain else 1.0  # below 0: greedy
         top_k = max(value["top_k"], 0) if "top_k" in chain else 0  # 0 or less: off
@@ -182,6 +184,12 @@ class Asked:
             temperature, top_p = 0.0, 1.0
         seed = None if body.seed in RANDOM_SEEDS else body.seed
         self.sampling = sampling(served, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=1)
+        before = chain[:chain.index("infill")] if "infill" in chain else ()
+        greedy = self.sampling.temperature == 0
+        # a greedy temperature or a top-p of 0 before infill leaves it one candidate, which it keeps: no effect
+        alone = ("temperature" in before and greedy) or ("top_p" in before and value["top_p"] <= 0)
+        self.eog = _eog(served) if "infill" in chain and not alone else ()
+        self.scaled = "temperature" in before and not greedy  # infill sees the scaled probabilities
         given = [body.stop] if isinstance(body.stop, str) else body.stop or []
         words = [w for w in given if w]  # llama-server skips an empty stop word
         if len(words) > MAX_STOP:
@@ -194,7 +202,25 @@ class Asked:
     def rows(self, ids: tuple[int, ...], max_tokens: int, stops: tuple[int, ...]) -> list[Row]:
         s = self.sampling
         return [Row(ids, max_tokens, s.temperature, s.top_p, seed, self.stop, s.top_k, stop_ids=stops,
-                    indent=self.indent, newline_deadline_s=self.deadline_s) for seed in seeds(s.seed, self.n)]
+                    indent=self.indent, newline_deadline_s=self.deadline_s, infill=self.eog,
+                    infill_scaled=self.scaled)
+                for seed in seeds(s.seed, self.n)]
+
+
+def _eog(served: Served) -> tuple[int, ...]:
+    """The infill sampler's end-of-generation ids, EOT (the tokenizer's eos) first: the eos and the FIM sentinels
+    the tokenizer has, as llama.cpp's vocabulary counts them, prompt FIM or not. Each ends the row: the engine ends a
+    row at the model's eos, and a FIM prompt's row (/infill, /completion in FIM form) at the sentinels too."""
+    eos = served.tokenizer.eos_token_id
+    try:
+        sentinels = stop_ids(served.tokenizer)
+    except FimError:
+        sentinels = ()
+    eog = tuple(dict.fromkeys(((eos,) if eos is not None else ()) + sentinels))
+    if not eog:
+        raise invalid("samplers", "the infill sampler ends a middle with an end-of-generation token, and this "
+                                  "tokenizer has none (no eos, no FIM sentinels); leave \"infill\" out of samplers")
+    return eog
 
 
 def _no_fim(served: Served, e: FimError) -> ApiError:

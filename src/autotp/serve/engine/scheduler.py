@@ -104,7 +104,8 @@ class Scheduler:
             n = min(len(r.prompt) - r.scheduled, budget)
             budget -= n
             new.append(NewRequest(id=r.id, sampling=SamplingParams(r.row.temperature, r.row.top_p, r.row.top_k,
-                                                                   r.row.seed),
+                                                                   r.row.seed, r.row.infill,
+                                                                   r.row.infill_scaled),
                                   logprobs=r.row.logprobs, prompt=r.prompt if r.row.prompt_logprobs else ()))
             work.append(self._work(r, n, admitted=len(r.blocks), copy=copy))
         for w in work:

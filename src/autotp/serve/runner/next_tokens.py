@@ -13,9 +13,11 @@ touches a tensor. Per step:
   and of prompt tokens where a request asked for them (the column at position j scores the prompt's token j + 1).
 
 Everything is computed on the device and read back in one host sync per step (on CUDA a `.tolist()` waits for the
-device: one wait, not one per row). The index arrays it needs cross to the device with the step's own (`plan`, before
-the forward). What one group of requests raises here (an allocation for a long prompt's scores) fails those requests
-only, with their error in their `Sampled`; the ranks ran the same forward, so they stay in lockstep.
+device: one wait, not one per row), but for a request with llama.cpp's infill sampler in its chain (llama.vim's):
+its candidates are read back to the host, one more wait per such request and step (sampler.RowSampler.draw_infill).
+The index arrays it needs cross to the device with the step's own (`plan`, before the forward). What one group of
+requests raises here (an allocation for a long prompt's scores) fails those requests only, with their error in their
+`Sampled`; the ranks ran the same forward, so they stay in lockstep.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import numpy as np
 import torch
 
 from autotp.errors import one_line
+from autotp.sampling import infill
 from autotp.sampling.sampler import RowSampler, SampleError, draws, read
 from autotp.serve.lockstep.step import NewRequest, Sampled, StepResult
 from autotp.serve.types import TokenLogprob
@@ -109,12 +112,16 @@ class Group:
 class NextTokens:
     """The sampling rank's requests (`add` when new, `drop` when they end) and their next tokens (`plan`, `take`)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, tokenizer=None):
         self.device = device
         self.requests: dict[int, Sampling] = {}
+        self.tokenizer = tokenizer  # the infill sampler's token texts come from it, once, when a request first asks
+        self.pieces: list[bytes] | None = None
 
     def add(self, new: NewRequest) -> None:
-        self.requests[new.id] = Sampling(RowSampler(new.sampling, self.device), new.logprobs, new.prompt)
+        if new.sampling.infill and self.pieces is None and self.tokenizer is not None:
+            self.pieces = infill.token_bytes(self.tokenizer)
+        self.requests[new.id] = Sampling(RowSampler(new.sampling, self.device, self.pieces), new.logprobs, new.prompt)
 
     def drop(self, request: int) -> None:
         self.requests.pop(request, None)
