@@ -159,8 +159,9 @@ def cpu_budget(tp: int) -> tuple[int, int] | None:
     from autotp.serve.options import ServeOptions
     from autotp.serve.runner.attention.sdpa import Sdpa
     from autotp.serve.startup import budget
+    from autotp.serve.startup.host_memory import Room
 
-    budget.available_bytes = lambda: 8 * 2**30
+    budget.room = lambda: Room(8 * 2**30)
     channel = Channel()
     try:
         opts = ServeOptions(max_num_seqs=10**6, max_num_batched_tokens=10**6)  # so memory, not the rows, sizes it
