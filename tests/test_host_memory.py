@@ -59,8 +59,9 @@ def test_the_tightest_of_two_v2_limits_wins(tmp_path):
     assert got == Room(GiB // 2, 3 * GiB)  # a's 3 GiB less its 2.5 GiB, though b's own limit is lower
 
 
-def test_v2_max_everywhere_leaves_memavailable(tmp_path):
+def test_v2_max_everywhere_leaves_memavailable_and_nothing_above_the_mount_is_read(tmp_path):
     got = fake(tmp_path, "0::/user.slice/session-1.scope\n", V2, {
+        "memory.max": GiB, "memory.current": 0,  # beside the mount point, not in its hierarchy
         "unified/user.slice/memory.max": "max", "unified/user.slice/memory.current": GiB,
         "unified/user.slice/session-1.scope/memory.max": "max",
         "unified/user.slice/session-1.scope/memory.current": GiB})
@@ -70,11 +71,13 @@ def test_v2_max_everywhere_leaves_memavailable(tmp_path):
 
 def test_a_v1_limit_in_a_container_whose_mount_shows_its_own_cgroup(tmp_path):
     """Docker without a cgroup namespace: /proc/self/cgroup says /docker/abc and the memory mount's root is that same
-    cgroup, so its files are at the mount point itself, not under docker/abc there."""
+    cgroup, so its files are at the mount point itself, not under docker/abc there (where a container started inside
+    this one, by the same name, would have its own)."""
     got = fake(tmp_path, "12:pids:/docker/abc\n4:memory:/docker/abc\n1:name=systemd:/docker/abc\n0::/\n",
                [("/docker/abc", "memory", "cgroup"), ("/", "unified", "cgroup2")], {
                    "memory/memory.limit_in_bytes": 1717986918, "memory/memory.usage_in_bytes": 3 * 2**28,
-                   "memory/memory.stat": f"cache {2**28}\ninactive_file {2**27}\ntotal_inactive_file {2**28}\n"})
+                   "memory/memory.stat": f"cache {2**28}\ninactive_file {2**27}\ntotal_inactive_file {2**28}\n",
+                   "memory/docker/abc/memory.limit_in_bytes": 2**29, "memory/docker/abc/memory.usage_in_bytes": 0})
     assert got == Room(1717986918 - 2 * 2**28, 1717986918)
     assert got.what() == "the cgroup's 1.6 GiB memory limit less its use"
 
