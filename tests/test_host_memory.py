@@ -96,6 +96,13 @@ def test_a_cgroup_outside_what_the_mount_shows_is_not_read(tmp_path):
     assert got == Room(HOST)
 
 
+def test_a_cgroup_outside_the_processs_cgroup_namespace_is_not_read(tmp_path):
+    """Under a cgroup namespace, a cgroup outside the namespace's root reads /../x: not below the mount point."""
+    got = fake(tmp_path, "0::/../sibling\n", V2, {"unified/cgroup.procs": "", "sibling/memory.max": GiB,
+                                                  "sibling/memory.current": 0})
+    assert got == Room(HOST)
+
+
 def test_without_any_cgroup_file_memavailable_decides(tmp_path):
     (tmp_path / "meminfo").write_text(f"MemAvailable:   {HOST // 1024} kB\n")
     assert room(str(tmp_path / "meminfo"), str(tmp_path / "no-cgroup"), str(tmp_path / "no-mountinfo")) == Room(HOST)

@@ -92,8 +92,8 @@ def cgroup_dirs(proc_cgroup: str, mountinfo: str) -> list[tuple[int, Path, Path]
     for version, (root, point) in _mounts(mountinfo).items():
         path = paths.get(version)
         root = root.rstrip("/")  # "/" -> "": every path starts with it
-        if path is None or not (path == root or path.startswith(root + "/")):
-            continue  # the process's cgroup is not under what this mount shows
+        if path is None or "/.." in path or not (path == root or path.startswith(root + "/")):
+            continue  # not under what this mount shows (a cgroup namespace writes one outside it as /../x)
         out.append((version, Path(point, path[len(root):].lstrip("/")), Path(point)))
     return out
 
