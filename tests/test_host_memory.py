@@ -142,7 +142,6 @@ def memory_cgroup(limit: int):
                 time.sleep(0.1)
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_server_in_a_memory_cgroup_sizes_its_cache_within_the_limit_and_serves(tmp_path):
     """Without the cgroup's limit the demo model's cache would take half the host's MemAvailable (4096 rows of 512
