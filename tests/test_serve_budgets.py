@@ -159,8 +159,9 @@ def cpu_budget(tp: int) -> tuple[int, int] | None:
     from autotp.serve.options import ServeOptions
     from autotp.serve.runner.attention.sdpa import Sdpa
     from autotp.serve.startup import budget
+    from autotp.serve.startup.host_memory import Room
 
-    budget.available_bytes = lambda: 8 * 2**30
+    budget.room = lambda: Room(8 * 2**30)
     channel = Channel()
     try:
         opts = ServeOptions(max_num_seqs=10**6, max_num_batched_tokens=10**6)  # so memory, not the rows, sizes it
@@ -176,3 +177,36 @@ def test_the_ranks_of_one_host_share_half_its_available_memory_for_the_cache(poo
     ranks together take 0.5x, never 4 x 0.5x, whatever the launcher says of the local world size."""
     got, _ = pools(tp).run(cpu_budget, tp)[0]
     assert 8 * 2**30 * 0.5 / tp - 64 * 4096 <= got <= 8 * 2**30 * 0.5 / tp  # whole blocks of a few KiB
+
+
+def cgroup_budget(tp: int) -> tuple[int, list[str]] | None:
+    """A pool task: budget.size on CPU with the host's room read as 8 GiB on every rank but the last, which sits in a
+    cgroup whose 3 GiB limit leaves it 2 GiB; -> (rank 0's cache bytes, its start-up lines) on rank 0."""
+    import torch
+    import torch.distributed as dist
+    from checkpoints import build
+
+    from autotp.serve.lockstep.wire import Channel
+    from autotp.serve.options import ServeOptions
+    from autotp.serve.runner.attention.sdpa import Sdpa
+    from autotp.serve.startup import budget
+    from autotp.serve.startup.host_memory import Room
+
+    budget.room = lambda: Room(2 * 2**30, 3 * 2**30) if dist.get_rank() == tp - 1 else Room(8 * 2**30)
+    said: list[str] = []
+    budget.log = said.append
+    channel = Channel()
+    try:
+        opts = ServeOptions(max_num_seqs=10**6, max_num_batched_tokens=10**6)
+        cache = budget.size(build("mqa12"), channel, dist.get_rank(), torch.device("cpu"), opts, 64, Sdpa)
+    finally:
+        channel.close()
+    return (cache.tokens * cache.per_token, said) if dist.get_rank() == 0 else None
+
+
+def test_the_rank_with_the_least_room_sizes_every_ranks_cache_and_its_line_names_the_cgroup(pools):
+    """One host's ranks in different cgroups (or ranks of several hosts): the tightest room decides for all, and the
+    start-up line that rank 0 writes says what sized it, though rank 0's own room was the host's MemAvailable."""
+    got, said = pools(2).run(cgroup_budget, 2)[0]
+    assert 2 * 2**30 * 0.5 / 2 - 64 * 4096 <= got <= 2 * 2**30 * 0.5 / 2
+    assert "sized by half the cgroup's 3.0 GiB memory limit less its use, shared by the host's ranks;" in said[0], said

@@ -8,12 +8,12 @@ Without `--kv-cache-memory`, the cache holds what `max_num_seqs` full-context ro
 - on CUDA, vLLM's `--gpu-memory-utilization` rule: that share of the GPU's total memory, less what is in use
   once the weights are loaded (the weights, the CUDA context, other processes) and less the activations' peak
   of the largest step, measured at start-up by a forward of `--max-num-batched-tokens` tokens (`step_peak`);
-- on CPU, a share of the host's available memory, split between the ranks on the host.
+- on CPU, a share of what the host has available, split between the ranks on the host: MemAvailable, or less where
+  a memory cgroup's limit leaves less (host_memory.py; the kernel kills a process of a cgroup at its limit).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -25,9 +25,10 @@ from autotp.serve.lockstep.wire import Channel
 from autotp.serve.options import GPU_MEMORY_UTILIZATION, ServeOptions
 from autotp.serve.runner.attention.backends import check_model
 from autotp.serve.runner.probe import probe
+from autotp.serve.startup.host_memory import Room, room, size_text
 from autotp.serve.types import log
 
-CPU_FRACTION = 0.5  # of MemAvailable, shared by the host's ranks: activations and the OS need the rest
+CPU_FRACTION = 0.5  # of MemAvailable or a cgroup's room, shared by the host's ranks: activations, the OS need the rest
 
 
 def step_peak(model, tokens: int) -> int:
@@ -48,23 +49,14 @@ def step_peak(model, tokens: int) -> int:
     return max(0, torch.cuda.max_memory_allocated(device) - base)
 
 
-def available_bytes() -> int:
-    """The host's available memory (MemAvailable: free, and caches the kernel can drop)."""
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
 def free_bytes(device: torch.device, utilization: float = GPU_MEMORY_UTILIZATION, headroom: int = 0,
-               ranks_here: int = 1) -> int:
+               ranks_here: int = 1, host: Room | None = None) -> int:
     """What this rank may give its cache (the module's rules). headroom: step_peak's bytes; ranks_here: the ranks on
-    this host, which share its memory on CPU."""
+    this host, which share its memory on CPU; host: what the host leaves this process (CPU; read when None)."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         return max(0, int(total * utilization) - (total - free) - headroom)
-    return int(available_bytes() * CPU_FRACTION / ranks_here)
+    return int((host or room()).bytes * CPU_FRACTION / ranks_here)
 
 
 def kv_tokens(per_token: int, budget: int | None, free: int, max_num_seqs: int, max_model_len: int | None) -> int:
@@ -76,12 +68,12 @@ def kv_tokens(per_token: int, budget: int | None, free: int, max_num_seqs: int, 
 
 
 def sized_by(budget: int | None, free: int, per_token: int, max_num_seqs: int, max_model_len: int | None,
-             device: torch.device, utilization: float) -> str:
-    """Which rule gave kv_tokens' number, for the start-up line."""
+             device: torch.device, utilization: float, host: Room) -> str:
+    """Which rule gave kv_tokens' number, for the start-up line. host: the room of the rank with the least (CPU)."""
     if budget is not None:
         return "--kv-cache-memory"
     memory = (f"{utilization:.0%} of the GPU's memory less what is in use and the largest step's activations"
-              if device.type == "cuda" else "half the host's available memory shared by its ranks")
+              if device.type == "cuda" else f"half {host.what()}, shared by the host's ranks")
     if max_model_len is not None and max_num_seqs * max_model_len <= free // per_token:
         return f"{max_num_seqs} sequences (--max-num-seqs) x {max_model_len} tokens of context, within {memory}"
     return memory
@@ -120,11 +112,13 @@ def size(net, channel: Channel, rank: int, device: torch.device, opts: ServeOpti
         peak = step_peak(net, min(opts.max_num_batched_tokens, max_model_len or opts.max_num_batched_tokens))
     nodes = channel.gather(hosts.key())  # the ranks of one host share its memory (CPU)
     here = nodes.count(hosts.key())
-    costs = channel.gather((per_token, free_bytes(device, opts.gpu_memory_utilization, peak, here)))
-    per_token, free = max(c for c, _ in costs), min(f for _, f in costs)
+    host = room() if device.type != "cuda" else Room(0)
+    costs = channel.gather((per_token, free_bytes(device, opts.gpu_memory_utilization, peak, here, host), host))
+    per_token = max(c for c, _, _ in costs)
+    _, free, host = min(costs, key=lambda c: c[1])  # the rank with the least room sizes every rank's cache
     tokens = kv_tokens(per_token, opts.kv_cache_memory, free, opts.max_num_seqs, max_model_len)
     how = sized_by(opts.kv_cache_memory, free, per_token, opts.max_num_seqs, max_model_len, device,
-                   opts.gpu_memory_utilization)
+                   opts.gpu_memory_utilization, host)
     check_fits(tokens, per_token, opts.kv_cache_memory, opts.block_size)
     tokens -= tokens % opts.block_size  # whole blocks
     if rank == 0:
@@ -133,12 +127,8 @@ def size(net, channel: Channel, rank: int, device: torch.device, opts: ServeOpti
         layout = (f"{tokens // opts.block_size} blocks of {opts.block_size}, prefix caching "
                   f"{'on' if opts.prefix_caching else 'off'}, speculation "
                   f"{f'up to {opts.speculate} tokens' if opts.speculate else 'off'}")
-        log(f"KV cache: {tokens} tokens per rank ({_size(tokens * per_token)} at {per_token} bytes per token, "
+        log(f"KV cache: {tokens} tokens per rank ({size_text(tokens * per_token)} at {per_token} bytes per token, "
             f"sized by {how}; {layout}){short}")
         log(f"attention: {attention.name} on {device.type} ({attention.how(device)})")
     return Budget(tokens, per_token, shapes)
 
-
-def _size(n: int) -> str:
-    return next(f"{n / 2**p:.1f} {unit}" for p, unit in ((30, "GiB"), (20, "MiB"), (10, "KiB"), (0, "B")) if n >= 2**p
-                or p == 0)
