@@ -488,7 +488,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--kv-cache-memory", type=byte_size,
                      help="KV cache per rank, e.g. 4GiB (default: what --max-num-seqs full-context sequences need, "
                           "at most --gpu-memory-utilization of the GPU's memory less what is in use and the largest "
-                          "step's activations, or half the host's available memory shared by its ranks)")
+                          "step's activations, or half the host's available memory, or of a memory cgroup's limit "
+                          "less its use where that is less, shared by the host's ranks)")
     srv.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
                      help="share of each GPU's total memory this server may hold: weights, activations and KV "
                           "cache (vLLM's flag; default 0.9)")
