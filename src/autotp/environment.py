@@ -23,6 +23,7 @@ VARIABLES = {  # each text fits one 80-column line under its name; defaults in p
 # read by autotp, set by autotp: not for users, so not in --help
 INTERNAL = {
     "AUTOTP_LAUNCHER_NAMES_EXITS": "set by --tp N in its ranks (it names a rank that exits)",
+    "AUTOTP_STALLED_NOTES": "set by --tp N in its ranks: where a rank notes a stalled peer for the launcher to end",
 }
 
 
