@@ -387,8 +387,8 @@ def add_quantize_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def device_sizes(text: str) -> list[int]:
-    """"24GiB,12GiB" -> one host's GPU sizes in bytes."""
-    return [byte_size(t) for t in text.split(",")]
+    """"24GiB,12GiB" -> one host's GPU sizes in bytes; 8G is 8GiB, as GPU memory is counted."""
+    return [byte_size(re.sub(r"(?i)([kmgt])$", r"\1iB", t.strip())) for t in text.split(",")]
 
 
 def add_tp_flag(parser: argparse.ArgumentParser, text: str, starts_ranks: bool = True) -> None:

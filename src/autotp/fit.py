@@ -168,7 +168,7 @@ def place(costs: Costs, num_layers: int, stages: list[tuple[int, tuple[int, ...]
         return next((i for i, s in enumerate(built(counts))
                      if any(w + k > b for w, k, b in zip(s.weights, s.kv, s.budget, strict=True))), None)
 
-    if pp_layers is None:
+    if pp_layers is None and pp > 1:
         mean = [(sum(costs.layers[r]) / num_layers + kv[r]) for r in range(costs.tp)]
         fixed = [[costs.weights(r, range(0), pp, s) for r in range(costs.tp)] for s in range(pp)]
         rooms = [min((budget[s][r] - fixed[s][r]) / mean[r] for r in range(costs.tp)) for s in range(pp)]
@@ -177,7 +177,7 @@ def place(costs: Costs, num_layers: int, stages: list[tuple[int, tuple[int, ...]
             worst = min(range(pp), key=lambda s: rooms[s])
             return (), f"stage {worst} holds {max(rooms[worst], 0):.1f} layers after its fixed costs"
     else:
-        counts = list(pp_layers)
+        counts = list(pp_layers or [num_layers])
         if over(counts) is not None:
             s = built(counts)[over(counts)]
             return (), stage_line(over(counts), s, costs.dtype) + " does not fit"
