@@ -98,6 +98,8 @@ def test_what_the_user_gave_is_kept(starcoder):
     agrees_with_plan(kept, str(STARCODER))
     one = fit.fit([[8 * G, 8 * G], [8 * G, 8 * G]], 40, starcoder, 8192, tp=1, quantize="int8")
     assert (one.tp, one.pp, one.pp_layers) == (1, 4, (10, 10, 10, 10))
+    with pytest.raises(AutotpError, match=r"^--pp 2 does not match the devices: 3 GPUs on 2 host\(s\) make 3 stages$"):
+        fit.fit([[24 * G, 12 * G], [8 * G]], 40, starcoder, 8192, pp=2)
     given = fit.fit([[24 * G, 12 * G], [8 * G]], 40, starcoder, 8192, pp=3, pp_layers=(20, 12, 8))
     assert given.pp_layers == (20, 12, 8)
     with pytest.raises(AutotpError, match=r"stage 2 on host 1 \(cuda:0\): layers 26-39, 10\.45 GiB .* of 7\.00 GiB "
@@ -144,8 +146,11 @@ def test_a_rounding_that_overflows_a_stage_is_repaired():
     assert fit.split(4, [1.95, 3.0], lambda counts: None) == [2, 2]
     assert fit.split(4, [0.99, 5.0], lambda counts: None) is None
     assert fit.split(1, [3.0, 3.0], lambda counts: None) is None
-    with pytest.raises(AutotpError, match="stage 0 holds 0.9 layers after its fixed costs"):
-        fit.fit([[fit.MARGIN + int(0.95 * G)], [fit.MARGIN + 5 * G]], 4, lambda d, q, t, pp: synthetic(4), 0)
+    with pytest.raises(AutotpError) as e:  # 5.5 GiB of room for 4 GiB, but not where a stage can use it
+        fit.fit([[fit.MARGIN + int(0.95 * G)], [fit.MARGIN + int(4.55 * G)]], 4, lambda d, q, t, pp: synthetic(4), 0)
+    assert str(e.value) == ("bfloat16 needs 4.00 GiB of weights + 0.00 GiB KV (0 tokens) at tp 1 pp 2; the 2 devices "
+                            "hold 5.50 GiB (1.00 GiB kept free on each), but stage 0 holds 0.9 layers after its fixed "
+                            "costs: no weight form fits (int4 is the smallest)")
 
 
 def test_the_margin_and_the_kv_reserve_count():
