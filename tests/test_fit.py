@@ -56,7 +56,7 @@ def test_24_and_12_on_one_host_and_8_on_another_split_in_proportion_to_memory(st
                                                                                        "bfloat16", None)
     assert [(s.host, s.devices) for s in chosen.stages] == [(0, (0,)), (0, (1,)), (1, (0,))]
     agrees_with_plan(chosen, str(STARCODER))
-    assert chosen.lines()[3] == ("stage 2 on host 1 (cuda:0): layers 33-39, 5.51 GiB + 0.03 GiB KV of 7.00 GiB")
+    assert chosen.lines()[3] == "stage 2 on host 1 (cuda:0): layers 33-39, 5.51 GiB + 0.03 GiB KV of 7.00 GiB, bfloat16"
 
 
 def test_four_8_gib_cards_on_two_hosts_take_int8_at_tp_2(starcoder):
@@ -102,8 +102,8 @@ def test_what_the_user_gave_is_kept(starcoder):
         fit.fit([[24 * G, 12 * G], [8 * G]], 40, starcoder, 8192, pp=2)
     given = fit.fit([[24 * G, 12 * G], [8 * G]], 40, starcoder, 8192, pp=3, pp_layers=(20, 12, 8))
     assert given.pp_layers == (20, 12, 8)
-    with pytest.raises(AutotpError, match=r"stage 2 on host 1 \(cuda:0\): layers 26-39, 10\.45 GiB .* of 7\.00 GiB "
-                                          "does not fit"):
+    with pytest.raises(AutotpError, match=r"stage 2 on host 1 \(cuda:0\): layers 26-39, 10\.45 GiB .* of 7\.00 GiB, "
+                                          "bfloat16 does not fit"):
         fit.fit([[24 * G, 12 * G], [8 * G]], 40, starcoder, 8192, pp=3, pp_layers=(14, 12, 14), dtype="bfloat16")
     # int8 on 8 + 4 GiB: 14.8 GiB of weights in 7 + 3: refused, int4 named
     with pytest.raises(AutotpError, match=r"^bfloat16 with int8 linear weights needs 15\.\d\d GiB .*: int4 fits "
@@ -120,8 +120,8 @@ def test_hosts_with_different_gpu_counts_run_a_stage_per_gpu_or_are_refused(star
     with pytest.raises(AutotpError) as e:
         fit.fit([[24 * G, 24 * G], [24 * G]], 40, starcoder, 8192, tp=2)
     assert str(e.value) == ("--tp 2 does not divide the hosts' GPUs (2 and 1): a stage's ranks stay on one host and "
-                            "every stage runs at one tp (world = pp x tp); --tp 1 --pp 3 (a stage per GPU) fits these "
-                            "hosts")
+                            "every stage runs at one tp (world = pp x tp); --tp 1 --pp 3 (a stage per GPU) is the "
+                            "layout these hosts allow")
 
 
 def test_alike_cards_share_a_stage_and_unlike_ones_do_not():
@@ -182,7 +182,7 @@ def test_plan_devices_from_the_command_line(capsys):
     assert code == 0, err
     lines = out.splitlines()
     assert lines[0].startswith(f"{STARCODER}: tp=1 pp=3 layers 22,11,7, bfloat16; KV reserve 8192 tokens")
-    assert lines[2] == "stage 1 on host 0 (cuda:1): layers 22-32, 7.77 GiB + 0.04 GiB KV of 11.00 GiB"
+    assert lines[2] == "stage 1 on host 0 (cuda:1): layers 22-32, 7.77 GiB + 0.04 GiB KV of 11.00 GiB, bfloat16"
     assert lines[6].endswith("-m autotp serve --model " + str(STARCODER) + " --tp 1 --pp 3 --pp-layers 22,11,7")
     assert re.match(r"host 0: torchrun --nnodes 2 --node-rank 0 --nproc-per-node 2 ", lines[5])
     assert re.match(r"host 1: torchrun --nnodes 2 --node-rank 1 --nproc-per-node 1 ", lines[6])

@@ -82,7 +82,7 @@ class Fit:
         note = f"; {self.note}" if self.note else ""
         head = [f"tp={self.tp} pp={self.pp} layers {','.join(map(str, self.pp_layers))}, {form}; KV reserve "
                 f"{self.kv_tokens} tokens, {gib(MARGIN)} GiB kept free per device{note}"]
-        return head + [stage_line(i, s, self.dtype) for i, s in enumerate(self.stages)]
+        return head + [stage_line(i, s, self.quantize or self.dtype) for i, s in enumerate(self.stages)]
 
     def as_dict(self) -> dict:
         return {"tp": self.tp, "pp": self.pp, "pp_layers": list(self.pp_layers), "dtype": self.dtype,
@@ -98,12 +98,13 @@ def gib(n: int) -> str:
     return f"{n / GiB:.2f}"
 
 
-def stage_line(i: int, s: Stage, dtype: str) -> str:
-    """`stage 2 on host 1 (cuda:0): layers 33-39, 5.10 GiB + 0.03 GiB KV of 7.00 GiB`, for its fullest rank."""
+def stage_line(i: int, s: Stage, form: str) -> str:
+    """`stage 2 on host 1 (cuda:0): layers 33-39, 5.51 GiB + 0.03 GiB KV of 7.00 GiB, bfloat16`, for its fullest
+    rank; form: the linear weights' (int8, int4) or the dtype."""
     r = max(range(len(s.weights)), key=lambda r: s.weights[r] + s.kv[r] - s.budget[r])
     devices = ",".join(f"cuda:{d}" for d in s.devices)
     return (f"stage {i} on host {s.host} ({devices}): layers {s.layers.start}-{s.layers.stop - 1}, "
-            f"{gib(s.weights[r])} GiB + {gib(s.kv[r])} GiB KV of {gib(s.budget[r])} GiB")
+            f"{gib(s.weights[r])} GiB + {gib(s.kv[r])} GiB KV of {gib(s.budget[r])} GiB, {form}")
 
 
 def layouts(hosts: list[list[int]], tp: int | None) -> list[tuple[int, list[tuple[int, tuple[int, ...]]]]]:
@@ -114,7 +115,7 @@ def layouts(hosts: list[list[int]], tp: int | None) -> list[tuple[int, list[tupl
         if any(n % tp for n in counts):
             raise AutotpError(f"--tp {tp} does not divide the hosts' GPUs ({' and '.join(map(str, counts))}): a "
                               "stage's ranks stay on one host and every stage runs at one tp (world = pp x tp); "
-                              f"--tp 1 --pp {sum(counts)} (a stage per GPU) fits these hosts")
+                              f"--tp 1 --pp {sum(counts)} (a stage per GPU) is the layout these hosts allow")
         candidates = [tp]
     else:
         candidates = [t for t in range(max(counts), 0, -1)
@@ -180,7 +181,7 @@ def place(costs: Costs, num_layers: int, stages: list[tuple[int, tuple[int, ...]
         counts = list(pp_layers or [num_layers])
         if over(counts) is not None:
             s = built(counts)[over(counts)]
-            return (), stage_line(over(counts), s, costs.dtype) + " does not fit"
+            return (), stage_line(over(counts), s, costs.quantize or costs.dtype) + " does not fit"
     return tuple(built(counts)), ""
 
 
