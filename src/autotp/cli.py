@@ -467,7 +467,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--devices", type=device_sizes, action="append", metavar="SIZE,SIZE,...",
                       help="one host's GPU memory, e.g. 24GiB,12GiB (give it once per host, in node-rank order): "
                            "choose --tp, --pp, --pp-layers and, unless --dtype or --quantize is given, the most "
-                           "precise weight form that fits, keeping what is given; prints the command lines")
+                           "precise weight form that fits, keeping what is given (counted for CUDA's kernels "
+                           "unless --device cpu); prints the command lines")
     plan.add_argument("--kv-tokens", type=positive_int, metavar="N",
                       help="with --devices: tokens the KV cache must hold, context x sequences (default: the model's "
                            "context, one sequence)")
