@@ -100,12 +100,38 @@ def _cuda_available() -> bool:
 def cmd_plan(args) -> int:
     from autotp.report import format_report, plan_report
 
+    if args.devices:
+        return cmd_fit(args)
+    if args.tp is None:
+        return command_line_error("autotp plan needs --tp N, or --devices to choose it")
+    args.pp = args.pp or 1
     device = args.device or ("cuda" if _cuda_available() else "cpu")
     report = plan_report(args.model or default_model(), args.tp, args.dtype, args.quantize, args.group_size, device,
                          args.pp, args.pp_layers)
     if args.pp == 1:  # the one stage holds every layer (main checked a local config.json; this, a hub id's)
         early.check_stages(1, args.pp_layers, report["ranks"][0]["layers"][1])
     print(json.dumps(report) if args.json else format_report(report))
+    return 0
+
+
+def cmd_fit(args) -> int:
+    """plan --devices: the layout autotp.fit chooses, a line per stage, and the command lines that start it."""
+    from autotp import fit
+    from autotp.early import layer_count
+    from autotp.hub import resolve_model_dir
+    from autotp.model_dir import config_fields
+
+    model = args.model or default_model()
+    fields = config_fields(resolve_model_dir(model, patterns=["config.json"]))
+    kv_tokens = args.kv_tokens or fit.parse_context(fields) or fit.KV_TOKENS
+    measure = fit.measure(model, args.group_size, args.device or "cuda")
+    chosen = fit.fit(args.devices, layer_count(fields) or len(measure(None, None, 1, 1).layers[0]), measure, kv_tokens,
+                     args.tp, args.pp, args.pp_layers, args.dtype, args.quantize)
+    commands = fit.commands(chosen, model, [len(h) for h in args.devices], args.dtype, args.group_size)
+    if args.json:
+        print(json.dumps({"model": model, "devices": args.devices, **chosen.as_dict(), "commands": commands}))
+    else:
+        print("\n".join([f"{model}: " + chosen.lines()[0], *chosen.lines()[1:], "", *commands]))
     return 0
 
 
@@ -360,9 +386,14 @@ def add_quantize_flags(parser: argparse.ArgumentParser) -> None:
                         help="input features per int4 group (default 128)")
 
 
-def add_tp_flag(parser: argparse.ArgumentParser, text: str, required: bool = False) -> None:
-    parser.add_argument("--tp", "--tensor-parallel-size", type=positive_int, required=required, metavar="N", help=text)
-    if not required:  # a command that starts its ranks (autotp.launch)
+def device_sizes(text: str) -> list[int]:
+    """"24GiB,12GiB" -> one host's GPU sizes in bytes; 8G is 8GiB, as GPU memory is counted."""
+    return [byte_size(re.sub(r"(?i)([kmgt])$", r"\1iB", t.strip())) for t in text.split(",")]
+
+
+def add_tp_flag(parser: argparse.ArgumentParser, text: str, starts_ranks: bool = True) -> None:
+    parser.add_argument("--tp", "--tensor-parallel-size", type=positive_int, metavar="N", help=text)
+    if starts_ranks:  # a command that starts its ranks (autotp.launch)
         parser.add_argument("--master-port", type=port_number, metavar="PORT",
                             help="where the ranks this command starts meet, on 127.0.0.1 (default: $MASTER_PORT, "
                                  "else a free port; torchrun's flag)")
@@ -429,8 +460,18 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="show how each tensor is partitioned across ranks (reads no weights)",
                           **commands)
     plan.add_argument("--model", help="model directory or hub id (default: the embedded demo model)")
-    add_tp_flag(plan, "number of tensor-parallel ranks (of each pipeline stage)", required=True)
+    add_tp_flag(plan, "number of tensor-parallel ranks (of each pipeline stage; required without --devices)",
+                starts_ranks=False)
     add_pp_flags(plan)
+    plan.set_defaults(pp=None)  # --devices chooses it where left out; 1 otherwise
+    plan.add_argument("--devices", type=device_sizes, action="append", metavar="SIZE,SIZE,...",
+                      help="one host's GPU memory, e.g. 24GiB,12GiB (give it once per host, in node-rank order): "
+                           "choose --tp, --pp, --pp-layers and, unless --dtype or --quantize is given, the most "
+                           "precise weight form that fits, keeping what is given (counted for CUDA's kernels "
+                           "unless --device cpu); prints the command lines")
+    plan.add_argument("--kv-tokens", type=positive_int, metavar="N",
+                      help="with --devices: tokens the KV cache must hold, context x sequences (default: the model's "
+                           "context, one sequence)")
     plan.add_argument("--dtype", choices=DTYPE_CHOICES, help="dtype for byte counts (default: checkpoint/config)")
     add_quantize_flags(plan)
     plan.add_argument("--device", choices=["cpu", "cuda"],
@@ -544,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     world = launcher_world()
-    pp = getattr(args, "pp", 1)
+    pp = getattr(args, "pp", 1) or 1  # plan leaves it None for --devices to choose
     if args.command != "plan" and world is not None and args.tp is not None and world != str(ranks_asked(args)):
         asked = f"--tp {args.tp}" + (f" x --pp {pp} = {args.tp * pp}" if pp > 1 else "")
         fits = f"--tp {int(world) // pp}" if int(world) % pp == 0 else "--tp"

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 
 from autotp.hub import resolve_model_dir
-from autotp.parallel.stage_cut import cut, decoder_layers
+from autotp.parallel.stage_cut import cut, decoder_layers, layers_path
 from autotp.parallel.stages import Stages
 from autotp.prepare import prepare
 from autotp.quant.weights import INT4_GROUP
@@ -48,6 +48,7 @@ def plan_report(model: str, tp: int, dtype: str | None = None, quantize: str | N
                 "kv_bytes_per_token": 2 * len(span) * (h.kv_stop - h.kv_start) * plan.head_dim * p.dtype.itemsize})
     gptq = None if p.gptq is None else {"group_size": p.gptq.group_size, "version": p.gptq.version, "sym": p.gptq.sym}
     return {"model": str(model), "family": plan.family, "plan_source": plan.source, "tp": tp, "pp": pp,
+            "layers_path": layers_path(plan),
             "dtype": _dtype_name(p.dtype), "checkpoint_headers": p.checkpoint is not None,
             "quantize": quantize, "group_size": group_size if quantize == "int4" else None, "gptq": gptq,
             "device": device_type, "num_heads": plan.num_heads, "num_kv_heads": plan.num_kv_heads, "ranks": ranks}
