@@ -185,7 +185,7 @@ def test_the_plan_samples_print_what_the_readme_shows(capsys):
     from test_cli import cli
 
     plans = [(c, shown) for c, shown in samples() if autotp_argv(c)[0] == "plan"]
-    assert len(plans) == 4
+    assert len(plans) == 5
     for command, shown in plans:
         code, out, err = cli(capsys, *autotp_argv(command))
         assert code == 0, err
