@@ -245,7 +245,7 @@ def test_a_rank_whose_beat_stalls_is_lost_and_one_that_beats_is_not(monkeypatch)
 
     watch = liveness.Liveness(0, Stages.split(2, 1, 2), "mutants", on_lost)
     beat = f"{watch.prefix}/beat/1"
-    store.set(f"{watch.prefix}/host/1", "host-b")
+    store.set(f"{watch.prefix}/host/1", "1\t4242\thost-b")  # node, pid, hostname, as a rank says them
     watch.start()
     try:
         beating_until = time.monotonic() + 2.5  # 2.5 LOST_S: it would have been lost by now without its beat
