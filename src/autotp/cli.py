@@ -179,8 +179,6 @@ def cmd_generate(args) -> int:
     distributed.init(args.device)  # first: a hub id is downloaded once per node, the other ranks wait
     model_dir = resolve_model_dir(args.model or default_model(), flag="--model")
     config = load_config(model_dir)  # before AutoTokenizer, which reads config.json too and fails on a bad one
-    if args.pp == 1:  # as main checked a local config.json: here a hub id's (--pp > 1: where the stages are cut)
-        early.check_stages(1, args.pp_layers, getattr(config, "num_hidden_layers", None))
     Checkpoint(model_dir)  # its headers: a config without weights (examples/starcoder) is named so, not as a tokenizer
     tokenizer = _tokenizer(args, model_dir)
     if args.suffix is not None:
@@ -223,8 +221,9 @@ def cmd_generate(args) -> int:
             show("")
         out = None if new is None else torch.cat([ids, torch.tensor([new])], dim=1)
     else:
+        # pp_layers: a hub id's --pp-layers, which main could not check, refused there (sharded.py)
         model = autotp.from_pretrained(model_dir, dtype=args.dtype, device=args.device, quantize=args.quantize,
-                                       group_size=args.group_size)
+                                       group_size=args.group_size, pp_layers=args.pp_layers)
         if echo:
             distributed.print0(args.prompt, end="")
         out = generate(model, ids, max_new_tokens=args.max_new_tokens, do_sample=do_sample,
@@ -595,16 +594,14 @@ def main(argv: list[str] | None = None) -> int:
         return command_line_error(f"--pp {pp} does not divide the {world} ranks its launcher started "
                                   f"(WORLD_SIZE={world}) into stages of equal size")
     starts_ranks = args.command != "plan" and world is None and ranks_asked(args) > 1
-    try:  # config.json alone decides: before torch, before --tp N starts a rank, and on a launcher's ranks before
-        # the process group forms (said once, by rank 0)
+    # the flags and config.json alone decide these: before torch is imported, before --tp N starts a rank, and on a
+    # launcher's ranks before the process group forms (said once, by rank 0), so a refusal costs none of them
+    try:
         early.check_model(args.model or default_model(), pp, args.pp_layers)
-    except (AutotpError, OSError) as e:  # OSError: an unreadable model directory
-        return command_line_error(str(e) if isinstance(e, AutotpError) else f"{type(e).__name__}: {e}")
-    if args.command == "serve":  # before torch is imported and before any rank starts: a refusal costs neither
-        try:
+        if args.command == "serve":
             args.opts = serve_options(args, starts_ranks)
-        except (AutotpError, OSError) as e:  # OSError: an unreadable model file or directory
-            return command_line_error(str(e) if isinstance(e, AutotpError) else f"{type(e).__name__}: {e}")
+    except (AutotpError, OSError) as e:  # OSError: an unreadable model file or directory
+        return command_line_error(str(e) if isinstance(e, AutotpError) else f"{type(e).__name__}: {e}")
     # what is loading, at once (torch's import and the load take seconds to minutes, and a log has no progress bar):
     # said by rank 0, or by the launcher that starts the ranks (not by its rank 0 again)
     launched = NAMES_EXITS in os.environ
